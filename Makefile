@@ -1,0 +1,40 @@
+SHELL := /bin/bash
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# Both create .venv on first use (scripts/setup.sh) and skip that step afterwards.
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PDCTL  := $(VENV)/bin/pdctl
+STAMP  := $(VENV)/.pdctl-setup
+DEFAULT_TOPOLOGY := topologies/cpu-p1d2-tcp.yaml
+
+.PHONY: setup demo test lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	@VENV=$(VENV) scripts/setup.sh 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+	@touch $@
+
+# The main job on the default CPU topology. (`pdctl verify` takes over once it lands.)
+demo: setup
+	$(PDCTL) validate topologies/*.yaml
+	$(PDCTL) plan $(DEFAULT_TOPOLOGY)
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff format --check pdctl tests benchmarks
+	$(VENV)/bin/ruff check pdctl tests benchmarks
+	$(VENV)/bin/mypy
+
+format: setup
+	$(VENV)/bin/ruff format pdctl tests benchmarks
+	$(VENV)/bin/ruff check --fix pdctl tests benchmarks
+
+bench: setup
+	$(PY) benchmarks/cli_startup.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,58 @@
+"""The pdctl command line: mounts one module per command and the global flags."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pdctl import __version__
+from pdctl.cli.common import JsonOption, Options, PdctlGroup, QuietOption, VerboseOption, options
+from pdctl.cli.plan import plan
+from pdctl.cli.schema import schema
+from pdctl.cli.validate import validate
+
+app = typer.Typer(
+    cls=PdctlGroup,
+    name="pdctl",
+    help="Bring up, verify and benchmark prefill/decode disaggregated LLM-serving topologies.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"pdctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_callback(
+    ctx: typer.Context,
+    json: JsonOption = False,
+    verbose: VerboseOption = 0,
+    quiet: QuietOption = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Global flags apply to every command."""
+    ctx.obj = Options()
+    options(ctx, json, verbose, quiet)
+
+
+app.command()(validate)
+app.command()(schema)
+app.command()(plan)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""`pdctl plan FILE`: every process pdctl would start, without starting anything."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from pdctl import console
+from pdctl.cli.common import JsonOption, QuietOption, VerboseOption, options, report_issues
+from pdctl.engines.base import render_command
+from pdctl.launch.plan import LaunchPlan, ProcessPlan, load_checked, make_plan
+from pdctl.topology.issues import TopologyError
+
+
+def plan(
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Argument(help="Topology YAML file.", show_default=False)],
+    json: JsonOption = False,
+    verbose: VerboseOption = 0,
+    quiet: QuietOption = False,
+) -> None:
+    """Show the resolved launch plan: processes, devices, ports, environment, commands."""
+    opts = options(ctx, json, verbose, quiet)
+    launch_plan = make_plan(load_checked(file))
+    if launch_plan.warnings:
+        report_issues(TopologyError(list(launch_plan.warnings)))
+    if opts.json:
+        console.emit_json(launch_plan.to_json())
+    else:
+        render(launch_plan)
+
+
+def _summary(launch_plan: LaunchPlan) -> list[str]:
+    topology = launch_plan.topology
+    transfer = topology.transfer
+    staging = "off (equal TP: pages go directly)"
+    if topology.uses_staging:
+        staging = (
+            f"on (pool {transfer.staging.pool_size_mb:g} MiB, "
+            f"segment {transfer.staging.effective_segment_mb:g} MiB)"
+        )
+    elif not transfer.staging.enabled:
+        staging = "disabled"
+    model = topology.model.path or f"preset {topology.model.preset}"
+    dtype = topology.effective_dtype if topology.engine == "embedded" else topology.model.dtype
+    reqs = launch_plan.requirements
+    needs = [f"{reqs.device_count} x {reqs.device_type}" if reqs.device_count else "cpu"]
+    needs += [*reqs.modules, *reqs.capabilities]
+    return [
+        f"topology  {topology.name}  ({launch_plan.loaded.file})",
+        f"engine    {topology.engine}, model {model}, dtype {dtype}, device {topology.device}",
+        f"transfer  {transfer.backend}"
+        + (f" over {transfer.effective_protocol}" if transfer.backend == "mooncake" else "")
+        + f", staging {staging}",
+        f"router    {topology.router.kind} at {launch_plan.router_url}",
+        f"requires  {', '.join(needs)}",
+    ]
+
+
+def _process_table(launch_plan: LaunchPlan) -> Table:
+    table = Table(title="processes", title_justify="left", show_lines=False)
+    for column in ("process", "ranks (device)", "ports"):
+        table.add_column(column)
+    fixed = launch_plan.fixed_ports
+    for process in launch_plan.processes:
+        ranks = ", ".join(
+            f"tp{r.rank}"
+            + (f" ({launch_plan.topology.device}:{r.device})" if r.device is not None else "")
+            for r in process.ranks
+        )
+        ports = ", ".join(
+            f"{slot.name}={fixed.get(slot.key, 'at launch')}" for slot in process.ports
+        )
+        table.add_row(process.name, ranks, ports)
+    return table
+
+
+def _process_detail(process: ProcessPlan, fixed: dict[str, int]) -> None:
+    out = console.out
+    out.print(f"\n[bold]{escape(process.name)}[/bold]  [dim]{escape(process.ranks[0].title)}[/dim]")
+    out.print("  environment (changes to the parent environment):")
+    parent = os.environ
+    for entry in process.env:
+        if not entry.secret and parent.get(entry.name) == entry.value:
+            continue
+        origin = f"from {entry.source}"
+        if entry.overrides:
+            origin += f", overrides {entry.overrides}"
+        if not entry.secret and entry.name in parent:
+            origin += f", parent had {parent[entry.name]!r}"
+        out.print(f"    {escape(entry.name)}={escape(entry.shown())}  [dim]{escape(origin)}[/dim]")
+    out.print("  command:")
+    args = render_command(process.command, fixed)
+    lines, current = [], "   "
+    for arg in args:
+        if arg.startswith("--") and current.strip():
+            lines.append(current)
+            current = "     "
+        current += " " + (arg if " " not in arg else repr(arg))
+    lines.append(current)
+    out.print(" \\\n".join(lines), markup=False)
+
+
+def render(launch_plan: LaunchPlan) -> None:
+    for line in _summary(launch_plan):
+        console.out.print(line, markup=False)
+    console.out.print(_process_table(launch_plan))
+    for process in launch_plan.processes:
+        _process_detail(process, launch_plan.fixed_ports)

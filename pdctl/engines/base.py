@@ -1,0 +1,140 @@
+"""What an engine provides to the launcher: ports it needs, environment, command line.
+
+An engine turns one server of a resolved topology into the exact command pdctl will
+spawn. Commands are built from `Arg`s whose parts may be `PortRef`s: ports are
+allocated only at launch, so a plan shows `<prefill-0.http>` where a port goes and
+the launcher renders the real number. Engines start nothing themselves.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pdctl.topology.issues import Issue
+from pdctl.topology.model import Topology
+from pdctl.topology.resolve import EnvEntry, ServerLayout, role_spec
+
+
+@dataclass(frozen=True)
+class PortRef:
+    key: str  # "<owner>.<slot>", e.g. "prefill-0.bootstrap"
+
+    def render(self, ports: Mapping[str, int] | None) -> str:
+        if ports and self.key in ports:
+            return str(ports[self.key])
+        return f"<{self.key}>"
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One command-line argument, possibly with ports still to be filled in."""
+
+    parts: tuple[str | PortRef, ...]
+
+    def render(self, ports: Mapping[str, int] | None = None) -> str:
+        return "".join(p if isinstance(p, str) else p.render(ports) for p in self.parts)
+
+
+Command = tuple[Arg, ...]
+
+
+def command(*items: str | PortRef | Arg) -> Command:
+    return tuple(item if isinstance(item, Arg) else Arg((item,)) for item in items)
+
+
+def url(host: str, port: PortRef) -> Arg:
+    return Arg((f"http://{host}:", port))
+
+
+def joined(refs: list[PortRef], separator: str = ",") -> Arg:
+    """Several ports in one argument: `<a>,<b>`."""
+    parts: list[str | PortRef] = []
+    for ref in refs:
+        parts += [separator, ref] if parts else [ref]
+    return Arg(tuple(parts))
+
+
+def render_command(cmd: Command, ports: Mapping[str, int] | None = None) -> list[str]:
+    return [arg.render(ports) for arg in cmd]
+
+
+def shell_line(cmd: Command, ports: Mapping[str, int] | None = None) -> str:
+    return shlex.join(render_command(cmd, ports))
+
+
+@dataclass(frozen=True)
+class PortSlot:
+    """A listener a process needs; `fixed` when the topology pins it."""
+
+    owner: str
+    name: str
+    purpose: str
+    fixed: int | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.owner}.{self.name}"
+
+    @property
+    def ref(self) -> PortRef:
+        return PortRef(self.key)
+
+
+def python() -> str:
+    """The interpreter pdctl runs under; servers run in the same environment."""
+    return sys.executable or "python3"
+
+
+def base_slots(topology: Topology, server: ServerLayout) -> list[PortSlot]:
+    """HTTP for every server, bootstrap for prefill."""
+    spec = role_spec(topology, server.role)
+    slots = [PortSlot(server.name, "http", "HTTP API", spec.port)]
+    if server.role == "prefill":
+        fixed = getattr(spec, "bootstrap_port", None)
+        slots.append(PortSlot(server.name, "bootstrap", "bootstrap endpoint for decode", fixed))
+    return slots
+
+
+class Engine(ABC):
+    """An engine: per-server ports, environment and command line."""
+
+    name: ClassVar[str]
+    # flag -> the topology key that sets it; users must not pass these in `args`.
+    managed_flags: ClassVar[Mapping[str, str]]
+
+    @abstractmethod
+    def port_slots(self, topology: Topology, server: ServerLayout) -> list[PortSlot]: ...
+
+    @abstractmethod
+    def command(
+        self, topology: Topology, server: ServerLayout, slots: Mapping[str, PortSlot]
+    ) -> Command:
+        """`slots` maps slot name -> slot for this server (http, bootstrap, ...)."""
+
+    def env(self, topology: Topology, server: ServerLayout) -> list[EnvEntry]:
+        """Engine-specific variables derived from topology keys."""
+        return []
+
+    def check(self, topology: Topology) -> Iterator[Issue]:
+        """Engine-specific rules; by default, no managed flag in a role's `args`."""
+        for role, spec in topology.roles.items():
+            yield from managed_flag_issues(("roles", role, "args"), spec.args, self.managed_flags)
+
+
+def managed_flag_issues(
+    where: tuple[str, ...], args: list[str], managed: Mapping[str, str]
+) -> Iterator[Issue]:
+    for position, arg in enumerate(args):
+        flag = arg.split("=", 1)[0]
+        source = managed.get(flag)
+        if source is not None:
+            yield Issue(
+                (*where, position),
+                f"'{flag}' is set by pdctl from {source}",
+                f"set {source} in the topology instead",
+            )

@@ -1,0 +1,141 @@
+"""The embedded engine: pdctl's own servers (`python -m pdctl.serve`).
+
+Every topology key reaches the server as an explicit flag, so a command line from
+`pdctl plan` can be run by hand. Each rank gets its own transport listener (the
+builtin TCP listener, Mooncake's RPC port or NIXL's side channel); a server with
+tp > 1 also gets a rendezvous port for torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+from pdctl.engines.base import (
+    Arg,
+    Command,
+    Engine,
+    PortSlot,
+    base_slots,
+    command,
+    joined,
+    python,
+)
+from pdctl.topology.model import Topology
+from pdctl.topology.resolve import ServerLayout, role_spec
+
+TRANSPORT_PURPOSE = {
+    "tcp": "builtin TCP transport listener",
+    "mooncake": "Mooncake RPC / handshake port",
+    "nixl": "NIXL side channel",
+}
+
+
+def _mb(value: float) -> str:
+    return f"{value:g}"
+
+
+class EmbeddedEngine(Engine):
+    name = "embedded"
+    managed_flags: ClassVar[Mapping[str, str]] = {
+        "--role": "roles",
+        "--topology-name": "name",
+        "--replica": "roles.<role>.replicas",
+        "--host": "host",
+        "--port": "roles.<role>.port",
+        "--tp": "roles.<role>.tp",
+        "--dist-port": "(allocated at launch)",
+        "--device": "device",
+        "--model-preset": "model.preset",
+        "--model-path": "model.path",
+        "--dtype": "model.dtype",
+        "--seed": "model.seed",
+        "--page-size": "serving.page_size",
+        "--max-running-requests": "serving.max_running_requests",
+        "--chunked-prefill-tokens": "serving.chunked_prefill_tokens",
+        "--kv-pool-tokens": "serving.kv_pool_tokens",
+        "--disable-overlap": "serving.overlap",
+        "--transfer-backend": "transfer.backend",
+        "--transport-ports": "(allocated at launch)",
+        "--mooncake-protocol": "transfer.protocol",
+        "--ib-device": "transfer.ib_devices",
+        "--nixl-backend": "transfer.nixl_backend",
+        "--staging": "transfer.staging.enabled",
+        "--no-staging": "transfer.staging.enabled",
+        "--staging-pool-mb": "transfer.staging.pool_size_mb",
+        "--staging-segment-mb": "transfer.staging.segment_size_mb",
+        "--bootstrap-port": "roles.prefill.bootstrap_port",
+        "--connect-timeout": "transfer.timeouts.connect_s",
+        "--bootstrap-timeout": "transfer.timeouts.bootstrap_s",
+        "--transfer-timeout": "transfer.timeouts.transfer_s",
+    }
+
+    def port_slots(self, topology: Topology, server: ServerLayout) -> list[PortSlot]:
+        slots = base_slots(topology, server)
+        if server.tp > 1:
+            slots.append(PortSlot(server.name, "dist", "torch.distributed rendezvous"))
+        purpose = TRANSPORT_PURPOSE[topology.transfer.backend]
+        for rank in range(server.tp):
+            slots.append(PortSlot(server.name, f"transport.tp{rank}", f"{purpose}, rank {rank}"))
+        return slots
+
+    def command(
+        self, topology: Topology, server: ServerLayout, slots: Mapping[str, PortSlot]
+    ) -> Command:
+        model = topology.model
+        serving = topology.serving
+        transfer = topology.transfer
+        args: list[str | Arg] = [
+            python(), "-m", "pdctl.serve",
+            "--role", server.role,
+            "--topology-name", topology.name,
+            "--replica", str(server.replica),
+            "--host", topology.host,
+            "--port", Arg((slots["http"].ref,)),
+            "--tp", str(server.tp),
+        ]  # fmt: skip
+        if "dist" in slots:
+            args += ["--dist-port", Arg((slots["dist"].ref,))]
+        args += ["--device", topology.device]
+        if model.uses_preset:
+            args += ["--model-preset", model.preset]
+        else:
+            args += ["--model-path", str(model.path)]
+        args += [
+            "--dtype", topology.effective_dtype,
+            "--seed", str(model.seed),
+            "--page-size", str(serving.page_size),
+            "--max-running-requests", str(serving.max_running_requests),
+            "--chunked-prefill-tokens", str(serving.chunked_prefill_tokens),
+        ]  # fmt: skip
+        if serving.kv_pool_tokens is not None:
+            args += ["--kv-pool-tokens", str(serving.kv_pool_tokens)]
+        if not serving.overlap:
+            args.append("--disable-overlap")
+        transport = [slots[f"transport.tp{rank}"].ref for rank in range(server.tp)]
+        args += ["--transfer-backend", transfer.backend, "--transport-ports", joined(transport)]
+        if transfer.backend == "mooncake":
+            args += ["--mooncake-protocol", transfer.effective_protocol]
+            for device in transfer.ib_devices:
+                args += ["--ib-device", device]
+        if transfer.backend == "nixl":
+            args += ["--nixl-backend", transfer.nixl_backend or "UCX"]
+        if topology.uses_staging:
+            staging = transfer.staging
+            args += [
+                "--staging",
+                "--staging-pool-mb", _mb(staging.pool_size_mb),
+                "--staging-segment-mb", _mb(staging.effective_segment_mb),
+            ]  # fmt: skip
+        else:
+            args.append("--no-staging")
+        if "bootstrap" in slots:
+            args += ["--bootstrap-port", Arg((slots["bootstrap"].ref,))]
+        timeouts = transfer.timeouts
+        args += [
+            "--connect-timeout", f"{timeouts.connect_s:g}",
+            "--bootstrap-timeout", f"{timeouts.bootstrap_s:g}",
+            "--transfer-timeout", f"{timeouts.transfer_s:g}",
+        ]  # fmt: skip
+        args += role_spec(topology, server.role).args
+        return command(*args)

@@ -1,0 +1,70 @@
+"""Router command lines: pdctl's builtin PD router or the real sglang-router.
+
+Both take the same shape of arguments (`--prefill URL BOOTSTRAP_PORT`, `--decode
+URL`), so either can front the servers of either engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+from pdctl.engines.base import Arg, Command, PortSlot, command, managed_flag_issues, python, url
+from pdctl.topology.issues import Issue
+from pdctl.topology.model import Topology
+from pdctl.topology.resolve import ServerLayout
+
+ROUTER = "router"
+MANAGED_FLAGS: Mapping[str, str] = {
+    "--pd-disaggregation": "router.kind",
+    "--prefill": "roles.prefill",
+    "--decode": "roles.decode",
+    "--encoder": "roles.encoder",
+    "--host": "host",
+    "--port": "router.port",
+    "--role": "router.kind",
+    "--request-timeout": "transfer.timeouts.request_s",
+}
+
+
+def router_slots(topology: Topology) -> list[PortSlot]:
+    return [
+        PortSlot(ROUTER, "http", "router HTTP API (the endpoint clients use)", topology.router.port)
+    ]
+
+
+def router_command(
+    topology: Topology, servers: Sequence[tuple[ServerLayout, Mapping[str, PortSlot]]]
+) -> Command:
+    host = topology.host
+    (http,) = router_slots(topology)
+    workers: list[str | Arg] = []
+    for server, slots in servers:
+        if server.role == "prefill":
+            workers += ["--prefill", url(host, slots["http"].ref), Arg((slots["bootstrap"].ref,))]
+        elif server.role == "decode":
+            workers += ["--decode", url(host, slots["http"].ref)]
+        elif server.role == "encoder":
+            workers += ["--encoder", url(host, slots["http"].ref)]
+    if topology.router.kind == "sglang-router":
+        head: list[str | Arg] = [
+            python(),
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+        ]
+        tail: list[str | Arg] = []
+    else:
+        head = [python(), "-m", "pdctl.serve", "--role", "router", "--topology-name", topology.name]
+        tail = ["--request-timeout", f"{topology.transfer.timeouts.request_s:g}"]
+    args = [*head, *workers, "--host", host, "--port", Arg((http.ref,)), *tail]
+    return command(*args, *topology.router.args)
+
+
+def router_issues(topology: Topology) -> Iterator[Issue]:
+    yield from managed_flag_issues(("router", "args"), topology.router.args, MANAGED_FLAGS)
+    if topology.router.kind == "sglang-router" and topology.roles.encoder is not None:
+        yield Issue(
+            ("router", "kind"),
+            "sglang-router does not route encoder (EPD) requests",
+            "use router: builtin for topologies with an encoder",
+        )

@@ -1,0 +1,144 @@
+"""The sglang engine: real SGLang servers (`python -m sglang.launch_server`).
+
+SGLang cannot run on a CPU-only CI machine, so these command lines are checked by
+plan snapshots; topologies that use them require `sglang` to be importable and
+skip cleanly elsewhere. Device visibility comes from the environment, so every
+server starts at `--base-gpu-id 0` inside its own device mask.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import ClassVar
+
+from pdctl.engines.base import Arg, Command, Engine, PortSlot, base_slots, command, python
+from pdctl.topology.issues import Issue
+from pdctl.topology.model import Topology
+from pdctl.topology.resolve import EnvEntry, ServerLayout, merged_user_env, role_spec
+
+
+class SGLangEngine(Engine):
+    name = "sglang"
+    managed_flags: ClassVar[Mapping[str, str]] = {
+        "--model-path": "model.path",
+        "--host": "host",
+        "--port": "roles.<role>.port",
+        "--tp": "roles.<role>.tp",
+        "--tp-size": "roles.<role>.tp",
+        "--base-gpu-id": "roles.<role>.devices",
+        "--device": "device",
+        "--dist-init-addr": "(allocated at launch)",
+        "--nccl-port": "(allocated at launch)",
+        "--disaggregation-mode": "roles",
+        "--disaggregation-transfer-backend": "transfer.backend",
+        "--disaggregation-bootstrap-port": "roles.prefill.bootstrap_port",
+        "--disaggregation-ib-device": "transfer.ib_devices",
+        "--page-size": "serving.page_size",
+        "--max-running-requests": "serving.max_running_requests",
+        "--chunked-prefill-size": "serving.chunked_prefill_tokens",
+        "--max-total-tokens": "serving.kv_pool_tokens",
+        "--disable-overlap-schedule": "serving.overlap",
+        "--dtype": "model.dtype",
+        "--random-seed": "model.seed",
+    }
+
+    def port_slots(self, topology: Topology, server: ServerLayout) -> list[PortSlot]:
+        slots = base_slots(topology, server)
+        slots.append(PortSlot(server.name, "nccl", "NCCL / collective init port"))
+        if server.tp > 1:
+            slots.append(PortSlot(server.name, "dist", "torch.distributed init address"))
+        return slots
+
+    def command(
+        self, topology: Topology, server: ServerLayout, slots: Mapping[str, PortSlot]
+    ) -> Command:
+        serving = topology.serving
+        transfer = topology.transfer
+        args: list[str | Arg] = [
+            python(), "-m", "sglang.launch_server",
+            "--model-path", str(topology.model.path),
+            "--host", topology.host,
+            "--port", Arg((slots["http"].ref,)),
+            "--disaggregation-mode", server.role,
+            "--disaggregation-transfer-backend", transfer.backend,
+        ]  # fmt: skip
+        if "bootstrap" in slots:
+            args += ["--disaggregation-bootstrap-port", Arg((slots["bootstrap"].ref,))]
+        if transfer.ib_devices:
+            args += ["--disaggregation-ib-device", ",".join(transfer.ib_devices)]
+        args += [
+            "--tp-size", str(server.tp),
+            "--base-gpu-id", "0",
+            "--device", topology.device,
+            "--nccl-port", Arg((slots["nccl"].ref,)),
+        ]  # fmt: skip
+        if "dist" in slots:
+            args += ["--dist-init-addr", Arg((f"{topology.host}:", slots["dist"].ref))]
+        args += [
+            "--page-size", str(serving.page_size),
+            "--max-running-requests", str(serving.max_running_requests),
+            "--chunked-prefill-size", str(serving.chunked_prefill_tokens),
+        ]  # fmt: skip
+        if serving.kv_pool_tokens is not None:
+            args += ["--max-total-tokens", str(serving.kv_pool_tokens)]
+        if not serving.overlap:
+            args.append("--disable-overlap-schedule")
+        if topology.model.dtype != "auto":
+            args += ["--dtype", topology.model.dtype]
+        args += ["--random-seed", str(topology.model.seed)]
+        args += role_spec(topology, server.role).args
+        return command(*args)
+
+    def env(self, topology: Topology, server: ServerLayout) -> list[EnvEntry]:
+        transfer = topology.transfer
+        entries: list[EnvEntry] = []
+        if topology.uses_staging:
+            staging = transfer.staging
+            source = "transfer.staging"
+            entries += [
+                EnvEntry("SGLANG_DISAGG_STAGING_BUFFER", "1", source),
+                EnvEntry(
+                    "SGLANG_DISAGG_STAGING_POOL_SIZE_MB",
+                    str(math.ceil(staging.pool_size_mb)),
+                    source,
+                ),
+                EnvEntry(
+                    "SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB",
+                    str(math.ceil(staging.effective_segment_mb)),
+                    source,
+                ),
+            ]
+        user = merged_user_env(topology, server.role)
+        if transfer.backend == "mooncake" and "MOONCAKE_PROTOCOL" not in user:
+            entries.append(
+                EnvEntry("MOONCAKE_PROTOCOL", transfer.effective_protocol, "transfer.protocol")
+            )
+        if transfer.backend == "nixl":
+            plugin = transfer.nixl_backend or "UCX"
+            entries.append(
+                EnvEntry("SGLANG_DISAGGREGATION_NIXL_BACKEND", plugin, "transfer.nixl_backend")
+            )
+        timeouts = transfer.timeouts
+        entries += [
+            EnvEntry(
+                "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+                f"{math.ceil(timeouts.bootstrap_s)}",
+                "transfer.timeouts.bootstrap_s",
+            ),
+            EnvEntry(
+                "SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
+                f"{math.ceil(timeouts.transfer_s)}",
+                "transfer.timeouts.transfer_s",
+            ),
+        ]
+        return entries
+
+    def check(self, topology: Topology) -> Iterator[Issue]:
+        yield from super().check(topology)
+        if topology.roles.encoder is not None:
+            yield Issue(
+                ("roles", "encoder"),
+                "pdctl launches encoder (EPD) topologies with the embedded engine only",
+                "use engine: embedded, or run the SGLang encoder outside pdctl",
+            )

@@ -1,0 +1,1 @@
+"""Launching topologies: plans now; spawning, readiness and teardown come with `pdctl up`."""

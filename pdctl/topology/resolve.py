@@ -1,0 +1,202 @@
+"""Derived values of a topology: server layout, devices, environment layers, requirements.
+
+This is the one resolver for values a user does not write: which physical devices
+each rank gets, which environment each process sees and where every variable comes
+from, and what the machine must have. Engine-specific parts (command lines, extra
+ports) are added by `pdctl.engines`; this module does not know any engine's flags.
+
+Device assignment, for a role without explicit `devices` on an accelerator:
+
+    explicit:  prefill devices [0]          -> prefill-0: (0,)
+    derived:   decode tp 2, replicas 1      -> decode-0: (1, 2)   lowest free indices
+    derived:   encoder tp 1, replicas 2     -> encoder-0: (3,), encoder-1: (4,)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from pdctl.core import DEVICE_VISIBILITY_VARS
+from pdctl.topology.model import RoleSpec, Topology
+
+RUN_ID_VAR = "PDCTL_RUN_ID"
+RUN_SECRET_VAR = "PDCTL_RUN_SECRET"
+
+
+@dataclass(frozen=True)
+class ServerLayout:
+    """One server process of a role: a replica with its tp ranks and devices."""
+
+    role: str
+    replica: int
+    tp: int
+    devices: tuple[int, ...]  # physical indices, one per rank; empty on cpu
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.replica}"
+
+    def device_of(self, rank: int) -> int | None:
+        return self.devices[rank] if rank < len(self.devices) else None
+
+
+@dataclass(frozen=True)
+class EnvEntry:
+    """A variable pdctl sets for a process, and the topology key it comes from."""
+
+    name: str
+    value: str
+    source: str
+    secret: bool = False
+    overrides: str | None = None  # the lower layer whose value this one replaced
+
+    def shown(self) -> str:
+        return "<secret, per run>" if self.secret else self.value
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What the machine must have, explicit in `requires:` or derived from the topology."""
+
+    device_type: str
+    device_count: int
+    min_free_memory_gb: float | None
+    modules: tuple[str, ...]
+    capabilities: tuple[str, ...]
+    reasons: Mapping[str, str] = field(default_factory=dict)  # item -> why it is required
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "device_type": self.device_type,
+            "device_count": self.device_count,
+            "min_free_memory_gb": self.min_free_memory_gb,
+            "modules": list(self.modules),
+            "capabilities": list(self.capabilities),
+            "reasons": dict(self.reasons),
+        }
+
+
+def _chunks(indices: list[int], size: int, count: int) -> list[tuple[int, ...]]:
+    return [tuple(indices[i * size : (i + 1) * size]) for i in range(count)]
+
+
+def assign_devices(topology: Topology) -> dict[str, list[tuple[int, ...]]]:
+    """Role -> one tuple of physical device indices per replica (empty tuples on cpu)."""
+    roles = topology.roles.items()
+    if topology.device == "cpu":
+        return {role: [()] * spec.replicas for role, spec in roles}
+    taken = {index for _, spec in roles for index in spec.devices or []}
+    assigned: dict[str, list[tuple[int, ...]]] = {}
+    candidate = 0
+    for role, spec in roles:
+        if spec.devices is not None:
+            assigned[role] = _chunks(list(spec.devices), spec.tp, spec.replicas)
+            continue
+        picked: list[int] = []
+        while len(picked) < spec.tp * spec.replicas:
+            if candidate not in taken:
+                picked.append(candidate)
+            candidate += 1
+        assigned[role] = _chunks(picked, spec.tp, spec.replicas)
+    return assigned
+
+
+def servers(topology: Topology) -> list[ServerLayout]:
+    """Every server process, in launch order (encoder, prefill, decode)."""
+    devices = assign_devices(topology)
+    return [
+        ServerLayout(role, replica, spec.tp, devices[role][replica])
+        for role, spec in topology.roles.items()
+        for replica in range(spec.replicas)
+    ]
+
+
+def role_spec(topology: Topology, role: str) -> RoleSpec:
+    spec = dict(topology.roles.items()).get(role)
+    if spec is None:
+        raise KeyError(f"topology has no role {role!r}")
+    return spec
+
+
+def _layers(topology: Topology, role: str) -> Iterator[tuple[str, Mapping[str, str]]]:
+    yield "env", topology.env
+    if role == "router":
+        yield "router.env", topology.router.env
+    else:
+        yield f"roles.{role}.env", role_spec(topology, role).env
+
+
+def merged_user_env(topology: Topology, role: str) -> dict[str, str]:
+    """Topology env overlaid with the role's env (role wins)."""
+    merged: dict[str, str] = {}
+    for _, layer in _layers(topology, role):
+        merged.update(layer)
+    return merged
+
+
+def base_env(topology: Topology, role: str, devices: tuple[int, ...]) -> list[EnvEntry]:
+    """Environment layers common to every engine, lowest precedence first.
+
+    parent env < topology `env` < role `env` < device visibility < per-run values.
+    """
+    merged: dict[str, EnvEntry] = {}
+    for source, layer in _layers(topology, role):
+        for name, value in layer.items():
+            below = merged.get(name)
+            merged[name] = EnvEntry(name, value, source, overrides=below.source if below else None)
+    visibility = DEVICE_VISIBILITY_VARS.get(topology.device)
+    if visibility and devices:
+        value = ",".join(str(index) for index in devices)
+        merged[visibility] = EnvEntry(visibility, value, f"roles.{role}.devices")
+    merged[RUN_ID_VAR] = EnvEntry(RUN_ID_VAR, "<per run>", "pdctl")
+    merged[RUN_SECRET_VAR] = EnvEntry(RUN_SECRET_VAR, "", "pdctl", secret=True)
+    return list(merged.values())
+
+
+def _any_env(topology: Topology, name: str, value: str) -> bool:
+    roles = [role for role, _ in topology.roles.items()] + ["router"]
+    return any(merged_user_env(topology, role).get(name) == value for role in roles)
+
+
+def requirements(topology: Topology) -> Requirements:
+    explicit = topology.requires
+    reasons: dict[str, str] = {}
+    needed = 0
+    if topology.device != "cpu":
+        used = [index for server in servers(topology) for index in server.devices]
+        needed = max(used) + 1 if used else 0
+    count = max(explicit.device_count or 0, needed)
+    if count and explicit.device_count is None:
+        reasons[f"device_count={count}"] = "the highest device index the roles use"
+    modules = list(explicit.modules)
+    capabilities: list[str] = list(explicit.capabilities)
+
+    def need(items: list[str], item: str, why: str) -> None:
+        if item not in items:
+            items.append(item)
+            reasons[item] = why
+
+    backend = topology.transfer.backend
+    if backend == "mooncake":
+        need(modules, "mooncake.engine", "transfer.backend: mooncake")
+        if topology.transfer.effective_protocol == "rdma":
+            need(capabilities, "mooncake.rdma", "transfer.protocol: rdma")
+        if _any_env(topology, "MC_USE_TENT", "1"):
+            need(capabilities, "mooncake.tent", "MC_USE_TENT=1 asks for the TENT engine")
+    elif backend == "nixl":
+        need(modules, "nixl", "transfer.backend: nixl")
+        plugin = (topology.transfer.nixl_backend or "UCX").lower()
+        need(capabilities, f"nixl.{plugin}", f"the NIXL {plugin.upper()} plugin moves the KV")
+    if topology.engine == "sglang":
+        need(modules, "sglang", "engine: sglang")
+    if topology.router.kind == "sglang-router":
+        need(modules, "sglang_router", "router: sglang-router")
+    return Requirements(
+        device_type=topology.device,
+        device_count=count,
+        min_free_memory_gb=explicit.min_free_memory_gb,
+        modules=tuple(modules),
+        capabilities=tuple(capabilities),
+        reasons=reasons,
+    )

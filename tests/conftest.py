@@ -1,0 +1,57 @@
+"""Shared fixtures: topology factories on tmp_path and the CLI runner."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+REPO = Path(__file__).resolve().parent.parent
+CATALOG = sorted((REPO / "topologies").glob("*.yaml"))
+
+BASE_TOPOLOGY: dict[str, Any] = {
+    "name": "test-topology",
+    "model": {"preset": "tiny"},
+    "device": "cpu",
+    "roles": {"prefill": {"tp": 1}, "decode": {"tp": 2}},
+    "transfer": {"backend": "tcp"},
+}
+
+
+REMOVE = "<remove this key>"  # an override value that deletes the key from the base topology
+
+
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if value == REMOVE:
+            merged.pop(key, None)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+@pytest.fixture
+def make_topology(tmp_path: Path) -> Callable[..., Path]:
+    """Write BASE_TOPOLOGY with overrides (nested dicts merge) to a YAML file."""
+    counter = iter(range(1_000_000))
+
+    def make(_name: str | None = None, **overrides: Any) -> Path:
+        data = deep_merge(BASE_TOPOLOGY, overrides)
+        path = tmp_path / f"{_name or 'topology'}-{next(counter)}.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+        return path
+
+    return make
+
+
+@pytest.fixture
+def cli() -> CliRunner:
+    return CliRunner()

@@ -1,0 +1,113 @@
+"""The package map of ARCHITECTURE.md, enforced: who may import whom, and house rules."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+PACKAGE = REPO / "pdctl"
+SHARED = {"core", "errors", "console"}  # vocabulary modules any package may use
+# package -> the pdctl packages it may import (besides itself and SHARED).
+ALLOWED: dict[str, set[str]] = {
+    "cli": {"launch", "verify", "topology", "engines"},
+    "launch": {"topology", "engines"},
+    "verify": {"launch", "topology", "engines"},
+    "engines": {"topology"},
+    "topology": set(),
+    "serve": {"staging"},
+    "staging": set(),
+    "core": set(),
+    "errors": set(),
+    "console": set(),
+}
+STRICT = {"staging": set(), "core": set(), "serve": {"staging", "core"}}  # no SHARED extras
+
+
+def top_package(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py")
+
+
+def pdctl_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "pdctl" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+SOURCES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__main__.py")
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=[str(p.relative_to(REPO)) for p in SOURCES])
+def test_imports_follow_the_package_map(path: Path) -> None:
+    package = top_package(path)
+    if package in ("__init__",):
+        return
+    if package in STRICT:
+        allowed = STRICT[package] | {package}
+    else:
+        allowed = ALLOWED[package] | SHARED | {package}
+    imported = pdctl_imports(path)
+    assert imported <= allowed, f"{path.relative_to(REPO)} imports {sorted(imported - allowed)}"
+
+
+def test_cli_commands_do_not_import_torch() -> None:
+    """validate/schema/plan start fast: importing the CLI must not pull in torch."""
+    code = "import sys, pdctl.cli.app; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_torch_cuda_only_in_the_device_module() -> None:
+    offenders = []
+    for path in SOURCES:
+        if path.relative_to(PACKAGE).as_posix() == "staging/device.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "torch.cuda." in line and "# cuda-only:" not in line:
+                offenders.append(f"{path.relative_to(REPO)}:{number}")
+    assert offenders == []
+
+
+def test_files_stay_small() -> None:
+    sizes = {p: len(p.read_text().splitlines()) for p in SOURCES}
+    too_big = {str(p.relative_to(REPO)): n for p, n in sizes.items() if n > 500}
+    assert too_big == {}
+
+
+def test_nothing_kills_processes_by_name() -> None:
+    pattern = re.compile(r"\b(pkill|killall)\b")
+    places = [
+        *SOURCES,
+        REPO / "Makefile",
+        *REPO.joinpath("scripts").glob("*"),
+        REPO / ".ci" / "run",
+    ]
+    assert [str(p) for p in places if pattern.search(p.read_text())] == []
+
+
+def test_every_module_opens_with_a_docstring() -> None:
+    missing = [
+        str(p.relative_to(REPO))
+        for p in SOURCES
+        if p.stat().st_size and ast.get_docstring(ast.parse(p.read_text())) is None
+    ]
+    assert missing == []

@@ -1,0 +1,180 @@
+"""Cross-field rules and derived values, through real YAML files from the factory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdctl.launch.plan import load_checked, make_plan
+from pdctl.topology import TopologyError
+from pdctl.topology.resolve import assign_devices, requirements
+from tests.conftest import REMOVE
+
+
+def messages(path: Path) -> list[str]:
+    with pytest.raises(TopologyError) as caught:
+        load_checked(path)
+    return [f"{issue.key}: {issue.message}" for issue in caught.value.issues]
+
+
+def test_minimal_topology_gets_documented_defaults(make_topology) -> None:
+    topology = load_checked(make_topology()).topology
+    assert topology.engine == "embedded" and topology.device == "cpu"
+    assert topology.router.kind == "builtin" and topology.launcher.kind == "local"
+    assert topology.effective_dtype == "float32"
+    assert topology.transfer.staging.effective_segment_mb == 16
+    assert topology.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (1, 4), (4, 2), (2, 2), (8, 1)]
+)
+def test_tp_pairs_that_shard_the_tiny_model_are_valid(make_topology, prefill_tp, decode_tp) -> None:
+    path = make_topology(roles={"prefill": {"tp": prefill_tp}, "decode": {"tp": decode_tp}})
+    topology = load_checked(path).topology
+    assert topology.uses_staging == (prefill_tp != decode_tp)
+
+
+def test_gqa_replication_beyond_kv_heads_needs_a_multiple(make_topology) -> None:
+    # tiny has 8 query heads and 4 KV heads: TP 8 replicates each KV head twice.
+    load_checked(make_topology(roles={"decode": {"tp": 8}}))
+    assert messages(make_topology(roles={"decode": {"tp": 6}})) == [
+        "roles.decode.tp: 6 does not divide the model's 8 attention heads (the tiny preset)"
+    ]
+
+
+def test_checkpoint_shape_is_read_from_config_json(make_topology, tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    config = {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+    }
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    good = make_topology(model={"path": str(checkpoint), "preset": REMOVE})
+    assert load_checked(good).topology.model.path == str(checkpoint)
+    bad = make_topology(
+        model={"path": str(checkpoint), "preset": REMOVE}, roles={"decode": {"tp": 3}}
+    )
+    assert any("KV heads" in m or "attention heads" in m for m in messages(bad))
+
+
+def test_missing_checkpoint_is_a_warning_not_an_error(make_topology) -> None:
+    loaded = load_checked(make_topology(model={"path": "/nonexistent/ckpt", "preset": REMOVE}))
+    assert [w.key for w in loaded.warnings] == ["model.path"]
+
+
+def test_devices_are_assigned_in_order_when_omitted(make_topology) -> None:
+    path = make_topology(
+        device="cuda", roles={"prefill": {"tp": 1}, "decode": {"tp": 2, "replicas": 2}}
+    )
+    topology = load_checked(path).topology
+    assert assign_devices(topology) == {"prefill": [(0,)], "decode": [(1, 2), (3, 4)]}
+    assert requirements(topology).device_count == 5
+
+
+def test_explicit_devices_may_be_shared_between_roles(make_topology) -> None:
+    path = make_topology(
+        device="cuda",
+        roles={"prefill": {"tp": 1, "devices": [0]}, "decode": {"tp": 2, "devices": [0, 1]}},
+    )
+    plan = make_plan(load_checked(path))
+    decode = next(p for p in plan.processes if p.role == "decode")
+    assert decode.env_values()["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert [r.device for r in decode.ranks] == [0, 1]
+
+
+def test_derived_devices_skip_indices_taken_explicitly(make_topology) -> None:
+    path = make_topology(
+        device="xpu", roles={"prefill": {"tp": 1, "devices": [1]}, "decode": {"tp": 2}}
+    )
+    topology = load_checked(path).topology
+    assert assign_devices(topology)["decode"] == [(0, 2)]
+
+
+def test_env_layers_role_wins_and_plan_shows_the_merge(make_topology) -> None:
+    path = make_topology(
+        env={"FOO": "global", "BAR": 1},
+        roles={"decode": {"tp": 2, "env": {"FOO": "decode"}}},
+    )
+    plan = make_plan(load_checked(path))
+    decode = next(p for p in plan.processes if p.role == "decode")
+    prefill = next(p for p in plan.processes if p.role == "prefill")
+    foo = next(e for e in decode.env if e.name == "FOO")
+    assert (foo.value, foo.source, foo.overrides) == ("decode", "roles.decode.env", "env")
+    assert prefill.env_values()["FOO"] == "global"
+    assert prefill.env_values()["BAR"] == "1"  # YAML integers become their text
+
+
+def test_requirements_are_derived_from_backend_env_and_router(make_topology) -> None:
+    path = make_topology(
+        transfer={"backend": "mooncake", "protocol": "tcp"},
+        env={"MC_USE_TENT": "1"},
+        router="sglang-router",
+    )
+    reqs = requirements(load_checked(path).topology)
+    assert reqs.modules == ("mooncake.engine", "sglang_router")
+    assert reqs.capabilities == ("mooncake.tent",)
+    assert "MC_USE_TENT" in reqs.reasons["mooncake.tent"]
+    nixl = requirements(load_checked(make_topology(transfer={"backend": "nixl"})).topology)
+    assert nixl.modules == ("nixl",) and nixl.capabilities == ("nixl.ucx",)
+
+
+def test_env_for_another_backend_is_a_warning(make_topology) -> None:
+    loaded = load_checked(make_topology(env={"MC_USE_TENT": "1"}))
+    assert [w.message for w in loaded.warnings] == [
+        "MC_USE_TENT has no effect: transfer.backend is tcp"
+    ]
+
+
+def test_explicit_staging_with_equal_tp_warns(make_topology) -> None:
+    path = make_topology(roles={"decode": {"tp": 1}}, transfer={"staging": {"enabled": True}})
+    loaded = load_checked(path)
+    assert loaded.topology.uses_staging is False
+    assert [w.key for w in loaded.warnings] == ["transfer.staging.enabled"]
+
+
+def test_all_errors_are_reported_together(make_topology) -> None:
+    path = make_topology(
+        roles={"prefill": {"tp": 3}, "decode": {"tp": 2, "args": ["--tp=2"]}},
+        serving={"chunked_prefill_tokens": 100},
+    )
+    found = messages(path)
+    assert any(m.startswith("roles.prefill.tp:") for m in found)
+    assert any(m.startswith("serving.chunked_prefill_tokens:") for m in found)
+
+
+def test_non_loopback_host_warns(make_topology) -> None:
+    loaded = load_checked(make_topology(host="0.0.0.0"))
+    assert [w.key for w in loaded.warnings] == ["host"]
+
+
+def test_yaml_merge_keys_and_overrides_are_supported(tmp_path: Path) -> None:
+    path = tmp_path / "merge.yaml"
+    path.write_text(
+        "name: merged\n"
+        "x-role: &role {tp: 2, env: {A: '1'}}\n"
+        "roles:\n"
+        "  prefill: {tp: 1}\n"
+        "  decode:\n"
+        "    <<: *role\n"
+        "    tp: 4\n"
+    )
+    # `x-role` is an unknown top-level key: anchors must live inside known keys.
+    assert messages(path) == ["x-role: unknown key 'x-role'"]
+    path.write_text(
+        "name: merged\n"
+        "roles:\n"
+        "  prefill: &role {tp: 2, env: {A: '1'}}\n"
+        "  decode:\n"
+        "    <<: *role\n"
+        "    tp: 4\n"
+    )
+    topology = load_checked(path).topology
+    assert topology.roles.decode.tp == 4 and topology.roles.decode.env == {"A": "1"}
