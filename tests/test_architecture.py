@@ -16,7 +16,7 @@ PACKAGE = REPO / "pdctl"
 SHARED = {"core", "errors", "console"}  # vocabulary modules any package may use
 # package -> the pdctl packages it may import (besides itself and SHARED).
 ALLOWED: dict[str, set[str]] = {
-    "cli": {"launch", "verify", "topology", "engines"},
+    "cli": {"launch", "verify", "topology", "engines", "staging"},  # staging: bench, doctor
     "launch": {"topology", "engines"},
     "verify": {"launch", "topology", "engines"},
     "engines": {"topology"},

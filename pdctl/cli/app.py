@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from pdctl import __version__
+from pdctl.cli.bench import bench_app
 from pdctl.cli.common import JsonOption, Options, PdctlGroup, QuietOption, VerboseOption, options
 from pdctl.cli.plan import plan
 from pdctl.cli.schema import schema
@@ -48,6 +49,7 @@ def main_callback(
 app.command()(validate)
 app.command()(schema)
 app.command()(plan)
+app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:

@@ -1,0 +1,189 @@
+"""Checked gather/scatter between paged KV buffers and staging, on any device.
+
+`gather_all_layers_to_staging` copies one head slice of every layer (K and V) for
+a list of pages into a contiguous staging block; `scatter_staging_to_kv` copies a
+block (or a region with several writers' blocks) back into KV pages. The device
+comes from the KV buffers; staging on another device is an error. Arguments are
+validated here, then a backend (`triton` on CUDA and XPU, `torch` elsewhere) does
+the copy on integer views, so results are bit-identical across backends.
+
+Shapes:
+    k_buffers[l], v_buffers[l]   [pool_tokens, num_kv_heads, head_dim], one per layer
+    page_indices                 [num_pages] page ids (token row = page * page_size + i)
+    staging block                L x (K, V) x [num_pages * page_size, num_heads, head_dim]
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from pdctl.staging.kernels.base import backend_names, default_backend, get_backend
+from pdctl.staging.kernels.kvset import WORD_DTYPES, KVInfo, KVSet, describe_kv, prepare_kv
+from pdctl.staging.layout import HeadSlice
+
+PageIndices = torch.Tensor | Sequence[int] | np.ndarray
+
+
+def _check_heads(start: int, count: int, info: KVInfo, what: str) -> None:
+    if count < 1 or start < 0 or start + count > info.num_heads:
+        raise ValueError(
+            f"{what} heads [{start}, {start + count}) are outside the {info.num_heads} KV heads"
+        )
+
+
+def upload_pages(page_indices: PageIndices, page_size: int, info: KVInfo) -> torch.Tensor:
+    """Page ids -> int64 tensor on the KV device; host inputs are range- and duplicate-checked.
+
+    A pinned host tensor uploads asynchronously; ids already on the device are
+    taken as they are (checking them would need a device synchronize).
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    pages = torch.as_tensor(page_indices)
+    if pages.dim() != 1 or pages.dtype.is_floating_point or pages.dtype == torch.bool:
+        raise ValueError(
+            f"page_indices must be a 1-D integer sequence, got {pages.dtype} {tuple(pages.shape)}"
+        )
+    if pages.device.type == "cpu" and pages.numel():
+        _check_host_pages(pages.numpy(), info.pool_tokens // page_size)
+    return pages.to(device=info.device, dtype=torch.int64, non_blocking=True)
+
+
+def _check_host_pages(pages: np.ndarray, num_pages: int) -> None:
+    low, high = int(pages.min()), int(pages.max())
+    if low < 0 or high >= num_pages:
+        raise ValueError(
+            f"page index {low if low < 0 else high} is outside the pool's {num_pages} pages"
+        )
+    seen = np.zeros(num_pages, dtype=np.bool_)
+    seen[pages] = True
+    if int(seen.sum()) != len(pages):
+        values, counts = np.unique(pages, return_counts=True)
+        raise ValueError(f"page index {int(values[counts > 1][0])} appears more than once")
+
+
+def _word_bytes(kvset: KVSet, block: torch.Tensor) -> int:
+    """The widest word for this block: the KV set's, narrowed to the block's alignment."""
+    offset = int(block.storage_offset()) * block.element_size()
+    word = kvset.max_word
+    while word > 1 and offset % word:
+        word //= 2
+    return word
+
+
+def _flat_bytes(staging: torch.Tensor, info: KVInfo) -> torch.Tensor:
+    if staging.device != info.device:
+        raise ValueError(f"KV buffers are on {info.device} but staging is on {staging.device}")
+    if not staging.is_contiguous():
+        raise ValueError("staging must be contiguous")
+    return staging.reshape(-1).view(torch.uint8)
+
+
+def _staging_words(
+    flat: torch.Tensor, nbytes: int, word: int, shape: tuple[int, int, int]
+) -> torch.Tensor:
+    if flat.numel() < nbytes:
+        raise ValueError(f"staging holds {flat.numel()} bytes but {nbytes} are needed")
+    return flat[:nbytes].view(WORD_DTYPES[word]).view(shape)
+
+
+def _backend_for(info: KVInfo, backend: str | None) -> str:
+    name = backend or default_backend(info.device)
+    if name not in backend_names():
+        raise ValueError(f"unknown kernel backend {name!r}; known: {', '.join(backend_names())}")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if name == "triton" and info.device.type not in ("cuda", "xpu") and not interpreted:
+        raise ValueError(
+            f"the triton backend runs on cuda and xpu, not {info.device.type} "
+            "(set TRITON_INTERPRET=1 to interpret it on the CPU)"
+        )
+    return name
+
+
+def gather_all_layers_to_staging(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: PageIndices,
+    staging: torch.Tensor,
+    *,
+    src_head_start: int,
+    num_heads: int,
+    page_size: int,
+    backend: str | None = None,
+) -> int:
+    """Gather heads [src_head_start, +num_heads) of every layer's K and V; returns bytes."""
+    kvset = prepare_kv(k_buffers, v_buffers)
+    info = kvset.info
+    _check_heads(src_head_start, num_heads, info, "source")
+    name = _backend_for(info, backend)
+    pages = upload_pages(page_indices, page_size, info)
+    num_tokens = pages.numel() * page_size
+    flat = _flat_bytes(staging, info)
+    word = _word_bytes(kvset, flat)
+    head_words = info.head_dim * info.elem_bytes // word
+    shape = (2 * info.num_layers, num_tokens, num_heads * head_words)
+    nbytes = shape[0] * shape[1] * shape[2] * word
+    out = _staging_words(flat, nbytes, word, shape)
+    get_backend(name).gather(kvset.views(word), pages, page_size, out, src_head_start * head_words)
+    return nbytes
+
+
+def scatter_staging_to_kv(
+    staging: torch.Tensor,
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: PageIndices,
+    *,
+    page_size: int,
+    dst_head_start: int | None = None,
+    num_heads: int | None = None,
+    writers: Sequence[HeadSlice] | None = None,
+    backend: str | None = None,
+) -> int:
+    """Scatter one block (dst_head_start, num_heads) or a region of several writers' blocks.
+
+    With `writers`, the region holds one block per writer in order (see `layout`),
+    each scattered into its own destination heads. Returns the bytes consumed.
+    """
+    if writers is None:
+        if dst_head_start is None or num_heads is None:
+            raise ValueError("give dst_head_start and num_heads, or writers")
+        writers = [HeadSlice(0, 0, dst_head_start, num_heads)]
+    elif dst_head_start is not None or num_heads is not None:
+        raise ValueError("give either writers or dst_head_start/num_heads, not both")
+    kvset = prepare_kv(k_buffers, v_buffers)
+    info = kvset.info
+    name = _backend_for(info, backend)
+    pages = upload_pages(page_indices, page_size, info)
+    num_tokens = pages.numel() * page_size
+    flat = _flat_bytes(staging, info)
+    offset = 0
+    for piece in writers:
+        _check_heads(piece.dst_head_start, piece.num_heads, info, "destination")
+        block = flat[offset:]
+        word = _word_bytes(kvset, block)
+        head_words = info.head_dim * info.elem_bytes // word
+        shape = (2 * info.num_layers, num_tokens, piece.num_heads * head_words)
+        nbytes = shape[0] * shape[1] * shape[2] * word
+        source = _staging_words(block, nbytes, word, shape)
+        buffers = kvset.views(word)
+        get_backend(name).scatter(
+            source, buffers, pages, page_size, piece.dst_head_start * head_words
+        )
+        offset += nbytes
+    return offset
+
+
+__all__ = [
+    "KVInfo",
+    "KVSet",
+    "describe_kv",
+    "gather_all_layers_to_staging",
+    "prepare_kv",
+    "scatter_staging_to_kv",
+    "upload_pages",
+]

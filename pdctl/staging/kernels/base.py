@@ -1,0 +1,86 @@
+"""The kernel-backend contract and its lazy registry.
+
+A backend copies column ranges of KV rows between a set of 2-D buffers and a
+contiguous staging tensor. The checked wrappers in `kernels/__init__.py` validate
+every argument and hand backends normalised views only:
+
+    buffers[i]   [pool_tokens, row_words]   integer view of one layer's K or V
+    staging      [num_buffers, num_tokens, num_cols]   contiguous, same dtype
+    pages        [num_pages] int64 on the buffers' device
+    row of token t = pages[t // page_size] * page_size + t % page_size
+
+Copies are bit-exact (integer views, never float arithmetic). A backend returns
+when the copy is enqueued on the current stream of the device; ordering against
+other streams is the caller's job (see `handler.py`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+
+class KernelBackend(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def gather(
+        self,
+        buffers: Sequence[torch.Tensor],
+        pages: torch.Tensor,
+        page_size: int,
+        staging: torch.Tensor,
+        col_start: int,
+    ) -> None:
+        """staging[i, t, :] = buffers[i][row(t), col_start : col_start + num_cols]."""
+
+    @abstractmethod
+    def scatter(
+        self,
+        staging: torch.Tensor,
+        buffers: Sequence[torch.Tensor],
+        pages: torch.Tensor,
+        page_size: int,
+        col_start: int,
+    ) -> None:
+        """buffers[i][row(t), col_start : col_start + num_cols] = staging[i, t, :]."""
+
+
+_REGISTRY = {
+    "torch": "pdctl.staging.kernels.reference:TorchKernels",
+    "triton": "pdctl.staging.kernels.triton:TritonKernels",
+}
+_INSTANCES: dict[str, KernelBackend] = {}
+
+
+def backend_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str) -> KernelBackend:
+    """The named backend; importing Triton happens only when it is asked for."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown kernel backend {name!r}; known: {', '.join(backend_names())}")
+    if name not in _INSTANCES:
+        module, _, attr = _REGISTRY[name].partition(":")
+        _INSTANCES[name] = getattr(importlib.import_module(module), attr)()
+    return _INSTANCES[name]
+
+
+def triton_importable() -> bool:
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def default_backend(device: torch.device) -> str:
+    """Triton on CUDA and XPU when it imports; the torch path everywhere else."""
+    if device.type in ("cuda", "xpu") and triton_importable():
+        return "triton"
+    return "torch"

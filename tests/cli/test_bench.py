@@ -1,0 +1,34 @@
+"""`pdctl bench staging` runs on the CPU and reports ratios measured in one run."""
+
+from __future__ import annotations
+
+import json
+
+from pdctl.cli.app import app
+
+
+def test_bench_staging_json_on_cpu(cli) -> None:
+    result = cli.invoke(
+        app, ["bench", "staging", "--json", "--repeats", "1", "--token-scale", "64"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["device"] == "cpu" and report["target_ratio"] == 0.6
+    shapes = [row["shape"] for row in report["results"]]
+    assert shapes == [
+        "32 x 8 x 128, 4096 tokens, page 1",
+        "32 x 8 x 128, 4096 tokens, page 64",
+        "28 x 2 x 128, 8192 tokens, page 1",
+        "61 x 8 x 128, 16384 tokens, page 64",
+    ]
+    for row in report["results"]:
+        assert row["backend"] == "torch"
+        assert row["gather_ratio"] > 0 and row["scatter_ratio"] > 0 and row["copy_gbps"] > 0
+        assert row["tokens_run"] % int(row["shape"].rsplit(" ", 1)[1]) == 0
+
+
+def test_bench_staging_on_a_missing_device_is_a_clear_error(cli) -> None:
+    result = cli.invoke(app, ["bench", "staging", "--device", "npu", "--repeats", "1"])
+    assert result.exit_code == 2
+    assert "cannot run the staging benchmark on npu" in result.stderr
+    assert "Traceback" not in result.output

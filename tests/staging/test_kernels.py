@@ -1,0 +1,232 @@
+"""Gather and scatter: both backends bitwise identical to a plain reference over a grid."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from pdctl.staging.kernels import gather_all_layers_to_staging, scatter_staging_to_kv
+from pdctl.staging.layout import head_slices
+from tests.staging.kv_factory import as_bits, naive_gather, random_kv, random_pages
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
+# (heads, src_head_start, num_heads): every TP split of 8 KV heads, and a GQA pick.
+SPLITS = [(8, 0, 8), (8, 4, 4), (8, 2, 2), (8, 7, 1), (4, 1, 1), (2, 1, 1)]
+
+
+def run_case(backend, layers, page_size, split, dtype, seed, head_dim=16, device="cpu") -> None:
+    heads, start, count = split
+    pool_pages = 12
+    k, v = random_kv(layers, pool_pages * page_size, heads, head_dim, dtype, seed, device)
+    pages = random_pages(pool_pages, 5, seed)
+    staging = torch.empty(
+        2 * layers * 5 * page_size * count * head_dim * 8 + 64, dtype=torch.uint8, device=device
+    )
+    nbytes = gather_all_layers_to_staging(
+        k,
+        v,
+        pages,
+        staging,
+        src_head_start=start,
+        num_heads=count,
+        page_size=page_size,
+        backend=backend,
+    )
+    expected = naive_gather(k, v, pages, page_size, start, count)
+    got = staging[:nbytes].view(expected.dtype).view(expected.shape)
+    assert torch.equal(got, expected)
+    # Scatter into fresh pools at other pages and heads; the rest stays untouched.
+    k2, v2 = random_kv(layers, pool_pages * page_size, heads, head_dim, dtype, seed + 1, device)
+    before = [as_bits(t).clone() for t in k2 + v2]
+    dst_pages = random_pages(pool_pages, 5, seed + 2)
+    dst_start = heads - count
+    used = scatter_staging_to_kv(
+        staging, k2, v2, dst_pages.tolist(), page_size=page_size,
+        dst_head_start=dst_start, num_heads=count, backend=backend,
+    )  # fmt: skip
+    assert used == nbytes
+    rows = torch.tensor(
+        [int(p) * page_size + i for p in dst_pages for i in range(page_size)], device=device
+    )
+    for index, (tensor, old) in enumerate(zip(k2 + v2, before, strict=True)):
+        layer, kv = index % layers, index // layers
+        expect = old.clone()
+        expect[rows, dst_start : dst_start + count] = expected[2 * layer + kv]
+        assert torch.equal(as_bits(tensor), expect)
+
+
+TORCH_GRID = list(itertools.product([1, 16, 64], [1, 3], SPLITS, DTYPES))
+
+
+@pytest.mark.parametrize(("page_size", "layers", "split", "dtype"), TORCH_GRID)
+def test_torch_backend_is_bitwise(page_size, layers, split, dtype) -> None:
+    run_case("torch", layers, page_size, split, dtype, seed=page_size * 7 + layers)
+
+
+TRITON_GRID = [
+    (page_size, layers, split, dtype)
+    for page_size, layers, split, dtype in itertools.product(
+        [1, 16, 64], [1, 3], SPLITS[:4], DTYPES
+    )
+    if (page_size + layers + SPLITS.index(split) + DTYPES.index(dtype)) % 2 == 0
+]
+
+
+@pytest.mark.parametrize(("page_size", "layers", "split", "dtype"), TRITON_GRID)
+def test_triton_backend_is_bitwise(page_size, layers, split, dtype) -> None:
+    run_case("triton", layers, page_size, split, dtype, seed=page_size * 11 + layers)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sixty_one_layers(backend) -> None:
+    run_case(backend, 61, 16, (8, 4, 4), torch.bfloat16, seed=61, head_dim=8)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_segments_concatenate_to_the_whole(backend) -> None:
+    k, v = random_kv(2, 16 * 16, 4, 8, torch.float16, seed=3)
+    pages = random_pages(16, 10, seed=4)
+    whole = torch.empty(1 << 16, dtype=torch.uint8)
+    n = gather_all_layers_to_staging(
+        k, v, pages, whole, src_head_start=2, num_heads=2, page_size=16, backend=backend
+    )
+    parts = []
+    for chunk in (pages[:3], pages[3:7], pages[7:]):
+        part = torch.empty(1 << 15, dtype=torch.uint8)
+        m = gather_all_layers_to_staging(
+            k, v, chunk, part, src_head_start=2, num_heads=2, page_size=16, backend=backend
+        )
+        parts.append(part[:m].view(4, -1))  # [2L, tokens*heads*dim bytes]
+    assert torch.equal(torch.cat(parts, dim=1).reshape(-1), whole[:n])
+
+
+def test_multi_writer_region_scatters_each_block_to_its_heads() -> None:
+    # prefill TP2 -> decode TP1: two writers, each holding 2 of the 4 heads.
+    layers, page_size, dim = 2, 4, 8
+    k_full, v_full = random_kv(layers, 64, 4, dim, torch.bfloat16, seed=9)
+
+    def part(start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [t[:, start : start + 2].contiguous() for t in k_full], [
+            t[:, start : start + 2].contiguous() for t in v_full
+        ]
+
+    prefill = [part(0), part(2)]
+    pages = random_pages(16, 6, seed=1)
+    slices = head_slices(4, 2, 1, 0)
+    region = torch.empty(1 << 16, dtype=torch.uint8)
+    offset = 0
+    for piece in slices:
+        pk, pv = prefill[piece.prefill_rank]
+        offset += gather_all_layers_to_staging(
+            pk, pv, pages, region[offset:], src_head_start=piece.src_head_start,
+            num_heads=piece.num_heads, page_size=page_size,
+        )  # fmt: skip
+    k_dec = [torch.zeros_like(t) for t in k_full]
+    v_dec = [torch.zeros_like(t) for t in v_full]
+    used = scatter_staging_to_kv(region, k_dec, v_dec, pages, page_size=page_size, writers=slices)
+    assert used == offset
+    rows = torch.tensor([int(p) * page_size + i for p in pages for i in range(page_size)])
+    for layer in range(layers):
+        assert torch.equal(as_bits(k_dec[layer])[rows], as_bits(k_full[layer])[rows])
+        assert torch.equal(as_bits(v_dec[layer])[rows], as_bits(v_full[layer])[rows])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda a: {**a, "src_head_start": 3, "num_heads": 2},
+            r"source heads \[3, 5\) are outside the 4 KV heads",
+        ),
+        (lambda a: {**a, "page_indices": [0, 99]}, "page index 99 is outside the pool's 16 pages"),
+        (lambda a: {**a, "page_indices": [-1]}, "page index -1 is outside"),
+        (lambda a: {**a, "page_indices": [3, 1, 3]}, "page index 3 appears more than once"),
+        (lambda a: {**a, "page_indices": np.array([[1]])}, "1-D integer sequence"),
+        (
+            lambda a: {**a, "staging": torch.empty(10, dtype=torch.uint8)},
+            "staging holds 10 bytes but",
+        ),
+        (lambda a: {**a, "v_buffers": a["v_buffers"][:1]}, "one K and one V buffer per layer"),
+        (
+            lambda a: {**a, "staging": torch.empty(4096, dtype=torch.uint8, device="meta")},
+            "KV buffers are on cpu but staging is on meta",
+        ),
+        (lambda a: {**a, "backend": "cuda-magic"}, "unknown kernel backend 'cuda-magic'"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(change, message) -> None:
+    k, v = random_kv(2, 64, 4, 8, torch.float32, seed=0)
+    args = {
+        "k_buffers": k,
+        "v_buffers": v,
+        "page_indices": [1, 2],
+        "staging": torch.empty(1 << 14, dtype=torch.uint8),
+        "src_head_start": 0,
+        "num_heads": 2,
+        "page_size": 4,
+    }
+    args = change(args)
+    with pytest.raises(ValueError, match=message):
+        gather_all_layers_to_staging(
+            args["k_buffers"], args["v_buffers"], args["page_indices"], args["staging"],
+            src_head_start=args["src_head_start"], num_heads=args["num_heads"],
+            page_size=args["page_size"], backend=args.get("backend"),
+        )  # fmt: skip
+
+
+def test_gather_takes_no_gpu_id() -> None:
+    k, v = random_kv(1, 16, 2, 4, torch.float32, seed=0)
+    with pytest.raises(TypeError):
+        gather_all_layers_to_staging(  # type: ignore[call-arg]
+            k,
+            v,
+            [0],
+            torch.empty(1024, dtype=torch.uint8),
+            src_head_start=0,
+            num_heads=1,
+            page_size=4,
+            gpu_id=0,
+        )
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("start", "count"), [(0, 4), (2, 2), (1, 2)])
+def test_buffers_sharing_one_storage_take_the_fused_path(page_size, start, count) -> None:
+    layers, heads, dim = 3, 4, 8
+    kv = torch.randn(layers, 2, 10 * page_size, heads, dim)  # [layers, K/V, pool, heads, dim]
+    k = [kv[layer, 0] for layer in range(layers)]
+    v = [kv[layer, 1] for layer in range(layers)]
+    pages = random_pages(10, 4, seed=page_size + start)
+    staging = torch.empty(1 << 16, dtype=torch.uint8)
+    n = gather_all_layers_to_staging(
+        k,
+        v,
+        pages,
+        staging,
+        src_head_start=start,
+        num_heads=count,
+        page_size=page_size,
+        backend="torch",
+    )
+    expected = naive_gather(k, v, pages, page_size, start, count)
+    assert torch.equal(staging[:n].view(expected.dtype).view(expected.shape), expected)
+    target = torch.zeros_like(kv)
+    tk = [target[layer, 0] for layer in range(layers)]
+    tv = [target[layer, 1] for layer in range(layers)]
+    scatter_staging_to_kv(
+        staging,
+        tk,
+        tv,
+        pages,
+        page_size=page_size,
+        dst_head_start=start,
+        num_heads=count,
+        backend="torch",
+    )
+    rows = torch.tensor([int(p) * page_size + i for p in pages for i in range(page_size)])
+    mask = torch.zeros_like(kv, dtype=torch.bool)
+    mask[:, :, rows, start : start + count] = True
+    assert torch.equal(target[mask], kv[mask]) and not target[~mask].any()
