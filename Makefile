@@ -35,6 +35,7 @@ format: setup
 
 bench: setup
 	$(PY) benchmarks/cli_startup.py
+	$(PDCTL) bench staging
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

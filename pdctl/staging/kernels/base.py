@@ -17,11 +17,44 @@ other streams is the caller's job (see `handler.py`).
 from __future__ import annotations
 
 import importlib
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import ClassVar
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import ClassVar, Generic, TypeVar
 
 import torch
+
+T = TypeVar("T")
+
+
+class BufferCache(Generic[T]):
+    """Per-buffer-list values computed once (pointer tables, fused views).
+
+    The wrappers hand a backend the same cached list object for a KV set, so the
+    list's identity is a cheap, exact key; each entry keeps the list alive, so its
+    id cannot be reused while the entry exists.
+    """
+
+    def __init__(self, build: Callable[[Sequence[torch.Tensor]], T], size: int = 64) -> None:
+        self._build = build
+        self._size = size
+        self._entries: OrderedDict[int, tuple[Sequence[torch.Tensor], T]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, buffers: Sequence[torch.Tensor]) -> T:
+        key = id(buffers)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] is buffers:
+                self._entries.move_to_end(key)
+                return entry[1]
+        value = self._build(buffers)
+        with self._lock:
+            self._entries[key] = (buffers, value)
+            if len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+        return value
 
 
 class KernelBackend(ABC):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdctl.staging.kernels.base import KernelBackend
+from pdctl.staging.kernels.base import BufferCache, KernelBackend
 
 
 def token_rows(pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -50,6 +50,9 @@ def _shared_view(buffers: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int] | 
     return torch.as_strided(first, (total_rows, first.shape[1]), (first.shape[1], 1)), stride_rows
 
 
+_SHARED_VIEWS: BufferCache[tuple[torch.Tensor, int] | None] = BufferCache(_shared_view)
+
+
 def _plan(
     buffers: Sequence[torch.Tensor],
     staging: torch.Tensor,
@@ -68,7 +71,7 @@ def _plan(
     """
     num_buffers, _, num_cols = staging.shape
     row_words = buffers[0].shape[1]
-    shared = _shared_view(buffers)
+    shared = _SHARED_VIEWS.get(buffers)
     if num_cols == row_words and page_size > 1:
         chunk = page_size * row_words
         out = staging.view(num_buffers, -1, chunk)

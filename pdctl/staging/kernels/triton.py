@@ -16,7 +16,7 @@ Design:
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -24,10 +24,10 @@ import triton
 import triton.language as tl
 
 from pdctl.staging.descriptors import pointer_table
-from pdctl.staging.kernels.base import KernelBackend
+from pdctl.staging.kernels.base import BufferCache, KernelBackend
 
-TILE_BYTES = 32 * 1024  # bytes per program
-MAX_TABLES = 64
+TILE_BYTES = 128 * 1024  # bytes per program (swept on an H200: benchmarks/staging_kernel_sweep.py)
+STREAMING = True
 
 
 @triton.jit
@@ -44,6 +44,7 @@ def _copy_rows_kernel(  # type: ignore[no-untyped-def]
     BLOCK_C: tl.constexpr,
     VEC: tl.constexpr,
     ALIGNED: tl.constexpr,
+    STREAMING: tl.constexpr,
     TO_STAGING: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -61,20 +62,26 @@ def _copy_rows_kernel(  # type: ignore[no-untyped-def]
         mask = token_mask[:, None] & (cols[None, :] < NUM_COLS)
         kv_at = kv + kv_rows[:, None] + cols[None, :]
         staged_at = staging_ptr + staged_rows[:, None] + cols[None, :]
-        if TO_STAGING:
-            tl.store(staged_at, tl.load(kv_at, mask=mask), mask=mask)
+        source = kv_at if TO_STAGING else staged_at
+        target = staged_at if TO_STAGING else kv_at
+        if STREAMING:  # each byte is touched once: keep it out of the caches
+            values = tl.load(source, mask=mask, eviction_policy="evict_first")
+            tl.store(target, values, mask=mask, cache_modifier=".cs")
         else:
-            tl.store(kv_at, tl.load(staged_at, mask=mask), mask=mask)
+            tl.store(target, tl.load(source, mask=mask), mask=mask)
 
 
+@functools.lru_cache(maxsize=256)
 def tile(num_cols: int, word_bytes: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_C, num_warps) for rows of `num_cols` words."""
     block_c = min(triton.next_power_of_2(num_cols), 2048)
-    block_t = max(1, min(256, TILE_BYTES // (block_c * word_bytes)))
+    block_t = max(1, min(1024, TILE_BYTES // (block_c * word_bytes)))
     block_t = 1 << (block_t.bit_length() - 1)
-    return block_t, block_c, 8 if block_t * block_c * word_bytes >= 16 * 1024 else 4
+    tile_bytes = block_t * block_c * word_bytes
+    return block_t, block_c, 16 if tile_bytes >= 64 * 1024 else 8 if tile_bytes >= 16 * 1024 else 4
 
 
+@functools.lru_cache(maxsize=1024)
 def _vec(row_words: int, col_start: int, num_cols: int, word_bytes: int) -> int:
     """Words per 16-byte vector that every row offset provably honours."""
     vec = max(1, 16 // word_bytes)
@@ -83,23 +90,17 @@ def _vec(row_words: int, col_start: int, num_cols: int, word_bytes: int) -> int:
     return vec
 
 
+def _table(buffers: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """The device pointer table, and whether every base is 16-byte aligned."""
+    table = pointer_table(buffers, buffers[0].device)
+    return table, all(b.data_ptr() % 16 == 0 for b in buffers)
+
+
 class TritonKernels(KernelBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        self._tables: OrderedDict[tuple[object, ...], torch.Tensor] = OrderedDict()
-
-    def _table(self, buffers: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-        key = (device, *map(torch.Tensor.data_ptr, buffers))
-        table = self._tables.get(key)
-        if table is None:
-            table = pointer_table(buffers, device)
-            self._tables[key] = table
-            if len(self._tables) > MAX_TABLES:
-                self._tables.popitem(last=False)
-        else:
-            self._tables.move_to_end(key)
-        return table
+        self._tables: BufferCache[tuple[torch.Tensor, bool]] = BufferCache(_table)
 
     def _launch(
         self,
@@ -117,8 +118,9 @@ class TritonKernels(KernelBackend):
         row_words = buffers[0].shape[1]
         block_t, block_c, num_warps = tile(num_cols, word)
         grid = (triton.cdiv(num_tokens, block_t), num_buffers)
+        table, aligned = self._tables.get(buffers)
         _copy_rows_kernel[grid](
-            self._table(buffers, staging.device),
+            table,
             pages,
             staging,
             num_tokens,
@@ -129,7 +131,8 @@ class TritonKernels(KernelBackend):
             BLOCK_T=block_t,
             BLOCK_C=block_c,
             VEC=_vec(row_words, col_start, num_cols, word),
-            ALIGNED=all(b.data_ptr() % 16 == 0 for b in buffers),
+            ALIGNED=aligned,
+            STREAMING=STREAMING,
             TO_STAGING=to_staging,
             num_warps=num_warps,
         )
