@@ -36,6 +36,7 @@ format: setup
 bench: setup
 	$(PY) benchmarks/cli_startup.py
 	$(PDCTL) bench staging
+	$(PDCTL) bench transport
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -9,6 +9,7 @@ import typer
 from pdctl import __version__
 from pdctl.cli.bench import bench_app
 from pdctl.cli.common import JsonOption, Options, PdctlGroup, QuietOption, VerboseOption, options
+from pdctl.cli.doctor import doctor
 from pdctl.cli.plan import plan
 from pdctl.cli.schema import schema
 from pdctl.cli.validate import validate
@@ -49,6 +50,7 @@ def main_callback(
 app.command()(validate)
 app.command()(schema)
 app.command()(plan)
+app.command()(doctor)
 app.add_typer(bench_app, name="bench")
 
 

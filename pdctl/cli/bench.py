@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -72,3 +73,62 @@ def staging(
         console.info(
             f"target on {device_type}: >= {target}x of a plain copy; backend {results[0].backend}"
         )
+
+
+@bench_app.command("transport")
+def transport(
+    ctx: typer.Context,
+    plot: Annotated[
+        Path | None, typer.Option(help="Also draw GB/s per size into this PNG (needs matplotlib).")
+    ] = None,
+    quick: Annotated[bool, typer.Option(help="Fewer sizes and repeats (a smoke run).")] = False,
+    json: JsonOption = False,
+    verbose: VerboseOption = 0,
+    quiet: QuietOption = False,
+) -> None:
+    """Each transport cross-process on loopback: GB/s, p50/p99, checked bytes, memcpy ceiling."""
+    opts = options(ctx, json, verbose, quiet)
+    from pdctl.staging.transport import bench as transport_bench
+
+    sizes = (4096, 1 << 20, 64 << 20) if quick else transport_bench.SIZES
+    report = transport_bench.run_transport_bench(
+        sizes=sizes, budget_bytes=(256 << 20) if quick else (2 << 30)
+    )
+    if plot is not None:
+        _plot(report, plot)
+    if opts.json:
+        console.emit_json(report)
+        return
+    table = Table(title="transport bench, cross-process on loopback (write to completion)")
+    for column in ("variant", "size", "GB/s", "p50 ms", "p99 ms", "bytes ok"):
+        table.add_column(column, justify="left" if column in ("variant", "size") else "right")
+    for row in report["rows"]:
+        table.add_row(
+            row["variant"], row["label"], f"{row['gbps']:.2f}", f"{row['p50_ms']:.3f}",
+            f"{row['p99_ms']:.3f}", "yes" if row["consistent"] else "NO",
+        )  # fmt: skip
+    console.out.print(table)
+    for variant, reason in report["unavailable"].items():
+        console.warning(f"{variant} not measured: {reason}")
+    console.info(f"targets at {report['targets']['size']}: {report['targets']}")
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib", "pip install matplotlib") from None
+    rows = [r for r in report["rows"] if " x " not in r["label"]]
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        points = [(r["nbytes"], r["gbps"]) for r in rows if r["variant"] == variant]
+        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=variant)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("bytes per write")
+    axes.set_ylabel("GB/s")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)

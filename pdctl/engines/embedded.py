@@ -1,9 +1,10 @@
 """The embedded engine: pdctl's own servers (`python -m pdctl.serve`).
 
 Every topology key reaches the server as an explicit flag, so a command line from
-`pdctl plan` can be run by hand. Each rank gets its own transport listener (the
-builtin TCP listener, Mooncake's RPC port or NIXL's side channel); a server with
-tp > 1 also gets a rendezvous port for torch.distributed.
+`pdctl plan` can be run by hand. With the builtin tcp transport each rank gets its
+own listener port; Mooncake's P2P handshake binds a port of its own choosing and
+NIXL needs none (its agent metadata travels in the bootstrap exchange), so those
+ranks get no transport port. A server with tp > 1 also gets a rendezvous port.
 """
 
 from __future__ import annotations
@@ -23,12 +24,6 @@ from pdctl.engines.base import (
 )
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import ServerLayout, role_spec
-
-TRANSPORT_PURPOSE = {
-    "tcp": "builtin TCP transport listener",
-    "mooncake": "Mooncake RPC / handshake port",
-    "nixl": "NIXL side channel",
-}
 
 
 def _mb(value: float) -> str:
@@ -74,9 +69,11 @@ class EmbeddedEngine(Engine):
         slots = base_slots(topology, server)
         if server.tp > 1:
             slots.append(PortSlot(server.name, "dist", "torch.distributed rendezvous"))
-        purpose = TRANSPORT_PURPOSE[topology.transfer.backend]
-        for rank in range(server.tp):
-            slots.append(PortSlot(server.name, f"transport.tp{rank}", f"{purpose}, rank {rank}"))
+        if topology.transfer.backend == "tcp":
+            for rank in range(server.tp):
+                slots.append(
+                    PortSlot(server.name, f"transport.tp{rank}", f"tcp transport, rank {rank}")
+                )
         return slots
 
     def command(
@@ -112,8 +109,10 @@ class EmbeddedEngine(Engine):
             args += ["--kv-pool-tokens", str(serving.kv_pool_tokens)]
         if not serving.overlap:
             args.append("--disable-overlap")
-        transport = [slots[f"transport.tp{rank}"].ref for rank in range(server.tp)]
-        args += ["--transfer-backend", transfer.backend, "--transport-ports", joined(transport)]
+        args += ["--transfer-backend", transfer.backend]
+        if transfer.backend == "tcp":
+            transport = [slots[f"transport.tp{rank}"].ref for rank in range(server.tp)]
+            args += ["--transport-ports", joined(transport)]
         if transfer.backend == "mooncake":
             args += ["--mooncake-protocol", transfer.effective_protocol]
             for device in transfer.ib_devices:

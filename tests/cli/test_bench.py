@@ -32,3 +32,27 @@ def test_bench_staging_on_a_missing_device_is_a_clear_error(cli) -> None:
     assert result.exit_code == 2
     assert "cannot run the staging benchmark on npu" in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_bench_transport_quick_checks_every_byte(cli) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pdctl", "bench", "transport", "--quick", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["unavailable"] == {}
+    variants = {row["variant"] for row in report["rows"]}
+    assert variants == {
+        "memcpy (ceiling)",
+        "tcp (same-host direct)",
+        "tcp (socket)",
+        "mooncake (tcp)",
+        "nixl (ucx)",
+    }
+    assert all(row["consistent"] for row in report["rows"])
+    assert all(row["gbps"] > 0 and row["p99_ms"] >= row["p50_ms"] for row in report["rows"])
+    assert {"direct_vs_best_library", "direct_vs_memcpy"} <= set(report["targets"])

@@ -1,0 +1,73 @@
+"""`pdctl doctor`: what this machine can run (a report; always exits 0)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from rich.markup import escape
+
+from pdctl import console
+from pdctl.cli.common import JsonOption, QuietOption, VerboseOption, options
+
+
+def doctor(
+    ctx: typer.Context,
+    json: JsonOption = False,
+    verbose: VerboseOption = 0,
+    quiet: QuietOption = False,
+) -> None:
+    """Report torch, Triton, devices and each transport as probed on this machine."""
+    opts = options(ctx, json, verbose, quiet)
+    from pdctl.staging.capabilities import capabilities, report  # imports torch
+
+    data = report()
+    data["capabilities"] = sorted(capabilities(data))
+    if opts.json:
+        console.emit_json(data)
+        return
+    out = console.out
+    triton = data["triton"]
+    triton_version = triton.get("version", "not importable")
+    out.print(
+        f"python {data['python']}, torch {data['torch']}, triton {triton_version}", markup=False
+    )
+    out.print(
+        "devices: " + ", ".join(f"{kind} x{count}" for kind, count in data["devices"].items()),
+        markup=False,
+    )
+    for name, info in data["transports"].items():
+        _transport(name, info)
+    modules = ", ".join(f"{m} {'yes' if ok else 'no'}" for m, ok in data["modules"].items())
+    out.print(f"modules: {modules}", markup=False)
+    out.print("capabilities: " + (", ".join(data["capabilities"]) or "none"), markup=False)
+
+
+def _transport(name: str, info: dict[str, Any]) -> None:
+    out = console.out
+    if not info.get("importable"):
+        out.print(f"[red]{name}: not available[/red] - {escape(str(info.get('error', '')))}")
+        if info.get("fix"):
+            out.print(f"  fix: {escape(info['fix'])}")
+        return
+    parts = [str(info.get("version") or "")]
+    for key in ("protocols", "usable_plugins"):
+        if info.get(key):
+            parts.append(f"{key}: {', '.join(info[key])}")
+    memory = info.get("memory_types")
+    if isinstance(memory, dict):
+        parts.append(
+            "memory: " + "; ".join(f"{k} {', '.join(v) or 'none'}" for k, v in memory.items())
+        )
+    elif memory:
+        parts.append(f"memory: {', '.join(memory)}")
+    if name == "mooncake":
+        built = "built, not requested" if info.get("tent_built") else "not built in"
+        parts.append("TENT engaged" if info.get("tent_engaged") else f"TENT {built}")
+    if name == "tcp":
+        parts.append("same-host direct writes" if info.get("same_host_direct") else "TCP only")
+    out.print(f"[green]{name}[/green]: " + escape("; ".join(p for p in parts if p)))
+    if info.get("warning"):
+        console.warning(f"{name}: {info['warning']}")
+    if name == "tcp" and not info.get("same_host_direct"):
+        out.print(f"  {escape(info.get('detail', ''))}")

@@ -1,0 +1,185 @@
+"""What this machine can run: devices, Triton, and each transport, probed for real.
+
+The report backs `pdctl doctor` and the requirement checks of the nightly: a
+capability is listed only when a probe showed it (an importable module, a plugin
+NIXL lists, TENT symbols in Mooncake's binary), never because a variable asks for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import os
+import platform
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from pdctl.staging import device as dev
+
+DEVICE_TYPES = ("cuda", "xpu", "npu", "hpu", "musa", "mlu", "mps")
+
+
+def _version(*distributions: str) -> str | None:
+    for name in distributions:
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@contextlib.contextmanager
+def quiet_fds() -> Iterator[None]:
+    """Silence a library while it is probed: NIXL logs to stdout, which --json owns."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+
+
+def devices() -> dict[str, int]:
+    found = {"cpu": os.cpu_count() or 1}
+    for device_type in DEVICE_TYPES:
+        try:
+            count = int(dev.get_device_module(device_type).device_count())
+        except (RuntimeError, AttributeError, AssertionError, ImportError):
+            continue
+        if count:
+            found[device_type] = count
+    return found
+
+
+def _triton() -> dict[str, Any]:
+    try:
+        triton = importlib.import_module("triton")
+    except ImportError as exc:
+        return {"importable": False, "error": str(exc)}
+    return {"importable": True, "version": getattr(triton, "__version__", "?")}
+
+
+def _tcp() -> dict[str, Any]:
+    from pdctl.staging.transport import fastpath
+
+    ok, reason = fastpath.probe()
+    return {
+        "importable": True,
+        "version": "builtin",
+        "protocols": ["tcp"],
+        "memory_types": ["DRAM", "VRAM (staged through host)"],
+        "same_host_direct": ok,
+        "detail": reason,
+    }
+
+
+def _rdma_devices() -> list[str]:
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
+
+
+def _mooncake() -> dict[str, Any]:
+    from pdctl.staging.transport import mooncake
+
+    info: dict[str, Any] = {
+        "version": _version(
+            "mooncake-transfer-engine",
+            "mooncake-transfer-engine-non-cuda",
+            "mooncake-transfer-engine-cuda13",
+        )
+    }
+    try:
+        engine = importlib.import_module("mooncake.engine")
+    except ImportError as exc:
+        info.update(importable=False, error=str(exc))
+        if "libibverbs" in str(exc):
+            info["fix"] = "apt-get install libibverbs1 (Mooncake links it even for TCP)"
+        return info
+    rdma = _rdma_devices()
+    info.update(
+        importable=True,
+        protocols=["tcp"] + (["rdma"] if rdma else []),
+        rdma_devices=rdma,
+        memory_types=["DRAM"] + (["VRAM"] if getattr(engine, "SUPPORT_CUDA", False) else []),
+        tent_built=mooncake.tent_built(),
+        tent_requested=os.environ.get("MC_USE_TENT") == "1",
+    )
+    info["tent_engaged"] = info["tent_built"] and info["tent_requested"]
+    if info["tent_requested"] and not info["tent_built"]:
+        info["warning"] = "MC_USE_TENT=1 is set but this Mooncake has no TENT engine: it is ignored"
+    return info
+
+
+def _nixl() -> dict[str, Any]:
+    from pdctl.staging.transport import nixl
+
+    info: dict[str, Any] = {"version": _version("nixl", "nixl-cu12", "nixl-cu13")}
+    try:
+        with quiet_fds():
+            api = nixl.import_nixl()
+            agent = api.nixl_agent("pdctl-doctor", api.nixl_agent_config(backends=[]))
+            plugins = list(agent.get_plugin_list())
+            memory = {
+                p: list(agent.get_plugin_mem_types(p)) for p in ("UCX", "LIBFABRIC") if p in plugins
+            }
+    except Exception as exc:  # import errors and NIXL's own exceptions alike
+        info.update(importable=False, error=str(exc))
+        return info
+    usable = sorted(plugin for plugin, types in memory.items() if types)
+    info.update(importable=True, plugins=plugins, usable_plugins=usable, memory_types=memory)
+    return info
+
+
+def report() -> dict[str, Any]:
+    transports: dict[str, Any] = {}
+    for name, probe in (("tcp", _tcp), ("mooncake", _mooncake), ("nixl", _nixl)):
+        try:
+            transports[name] = probe()
+        except Exception as exc:  # a probe must never take the report down
+            transports[name] = {"importable": False, "error": f"probe failed: {exc}"}
+    modules = {}
+    for module in ("sglang", "sglang_router"):
+        try:
+            importlib.import_module(module)
+            modules[module] = True
+        except Exception:
+            modules[module] = False
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "triton": _triton(),
+        "devices": devices(),
+        "transports": transports,
+        "modules": modules,
+    }
+
+
+def capabilities(data: dict[str, Any]) -> set[str]:
+    """The capability names topologies can require (see topology `requires`)."""
+    found: set[str] = set()
+    if data["triton"].get("importable"):
+        found.add("triton")
+    mooncake = data["transports"].get("mooncake", {})
+    if mooncake.get("tent_built"):
+        found.add("mooncake.tent")
+    if "rdma" in mooncake.get("protocols", []):
+        found.add("mooncake.rdma")
+    for plugin in data["transports"].get("nixl", {}).get("usable_plugins", []):
+        found.add(f"nixl.{plugin.lower()}")
+    return found

@@ -1,0 +1,411 @@
+"""The transport contract: write byte ranges into a peer's registered memory.
+
+Ownership and reuse:
+- The caller owns every buffer. A buffer must stay allocated from `register` until
+  `deregister`; the transport never frees memory it did not allocate.
+- A write's source bytes may be changed or freed only after the write completed:
+  `write` returned, or the handle of `write_async` reported done (`wait` returned or
+  `done()` is True). Until then the transport may still read them.
+- The destination bytes are the peer's: the peer must not read a range before the
+  notification sent with the write that fills it arrives. Notifications are
+  delivered after every byte of their write is in the peer's memory.
+- Completion means the bytes are in the peer's memory (not merely sent).
+
+Every wait is bounded by the configured timeouts: a dead, unreachable or stalled
+peer raises a `TransportError` naming the peer, never hangs. Nothing received from
+the network is unpickled: descriptions are JSON, frames are fixed binary headers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from pdctl.staging.descriptors import as_u64, tensor_ptr
+
+MAX_NOTIFICATION_BYTES = 64 * 1024
+
+
+class TransportError(RuntimeError):
+    """A transfer could not be done; the message names the peer and the reason."""
+
+
+class PeerUnreachable(TransportError):
+    pass
+
+
+class TransferTimeout(TransportError):
+    pass
+
+
+class RegistrationError(TransportError):
+    pass
+
+
+class BadDescriptor(TransportError, ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    name: str  # this endpoint, as peers and messages call it ("decode-0 rank 1")
+    host: str = "127.0.0.1"
+    port: int = 0  # listener port where the transport has one; 0 picks a free one
+    connect_timeout_s: float = 10.0
+    transfer_timeout_s: float = 30.0
+    protocol: str | None = None  # mooncake: tcp | rdma (default: MOONCAKE_PROTOCOL or tcp)
+    ib_devices: tuple[str, ...] = ()
+    nixl_backend: str = "UCX"
+    secret: bytes = b""  # per-run secret peers must prove they hold
+    same_host_fast_path: bool = True  # tcp: write into same-host peers' memory directly
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    ptr: int
+    length: int
+    device_type: str = "cpu"
+    device_index: int | None = None
+
+    def contains(self, ptr: int, length: int) -> bool:
+        return self.ptr <= ptr and ptr + length <= self.ptr + self.length
+
+    def to_json(self) -> list[Any]:
+        return [self.ptr, self.length, self.device_type, self.device_index]
+
+    @staticmethod
+    def from_json(item: Any) -> MemoryRegion:
+        ptr, length, device_type, index = item
+        return MemoryRegion(int(ptr), int(length), str(device_type), index)
+
+
+@dataclass(frozen=True)
+class Notification:
+    peer: str
+    message: bytes
+
+
+@dataclass
+class Peer:
+    """A connected remote endpoint; `name` is what errors call it."""
+
+    name: str
+    address: str
+    regions: list[MemoryRegion]
+    state: dict[str, Any] = field(default_factory=dict)  # transport-specific
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.address})"
+
+
+class TransferHandle(ABC):
+    """Completion of one asynchronous write."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once complete; raises TransportError if the write failed."""
+
+    def wait(self, timeout: float) -> None:
+        """Block until complete, at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        delay = 0.0002
+        while not self.done():
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(self.timeout_message(timeout))
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def timeout_message(self, timeout: float) -> str:
+        return f"write did not complete within {timeout:g} s"
+
+
+Descriptors = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def check_descriptors(
+    src: Sequence[int] | np.ndarray,
+    dst: Sequence[int] | np.ndarray,
+    lengths: Sequence[int] | np.ndarray,
+) -> Descriptors:
+    """Three equal-length uint64 arrays, or a BadDescriptor saying what is wrong."""
+    arrays = []
+    for name, values in (("src", src), ("dst", dst), ("lengths", lengths)):
+        try:
+            arrays.append(as_u64(values))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise BadDescriptor(f"{name} must be unsigned 64-bit integers: {exc}") from None
+    if not (len(arrays[0]) == len(arrays[1]) == len(arrays[2])):
+        raise BadDescriptor(
+            f"src, dst and lengths must have one entry per write, got "
+            f"{len(arrays[0])}, {len(arrays[1])} and {len(arrays[2])}"
+        )
+    if len(arrays[0]) == 0:
+        raise BadDescriptor("a write needs at least one descriptor")
+    if (arrays[2] == 0).any():
+        raise BadDescriptor(f"descriptor {int(np.argmin(arrays[2]))} has length 0")
+    return arrays[0], arrays[1], arrays[2]
+
+
+def outside(regions: Sequence[MemoryRegion], ptrs: np.ndarray, lengths: np.ndarray) -> int | None:
+    """Index of the first range not inside one region, or None."""
+    for index, (ptr, length) in enumerate(zip(ptrs.tolist(), lengths.tolist(), strict=True)):
+        if not any(region.contains(ptr, length) for region in regions):
+            return index
+    return None
+
+
+class Transport(ABC):
+    """One endpoint of a KV transport. Thread-safe: writes may come from many threads."""
+
+    name: ClassVar[str]
+
+    def __init__(self, config: TransportConfig) -> None:
+        self.config = config
+        self.regions: list[MemoryRegion] = []
+        self.tensors: dict[int, torch.Tensor] = {}  # region ptr -> tensor, for device memory
+        self.kv_layout: dict[str, Any] = {}
+        self._lock = threading.RLock()
+        self._notifications: deque[Notification] = deque()
+        self._notified = threading.Condition(self._lock)
+        self._closed = False
+
+    # -- memory --------------------------------------------------------------
+    def register(
+        self, ptr: int, length: int, *, device_type: str = "cpu", device_index: int | None = None
+    ) -> MemoryRegion:
+        if length <= 0:
+            raise RegistrationError(f"{self.config.name}: cannot register {length} bytes")
+        region = MemoryRegion(ptr, length, device_type, device_index)
+        self._register(region)
+        with self._lock:
+            self.regions.append(region)
+        return region
+
+    def register_tensor(self, tensor: torch.Tensor) -> MemoryRegion:
+        if not tensor.is_contiguous():
+            raise RegistrationError(
+                f"{self.config.name}: only contiguous tensors can be registered"
+            )
+        device = tensor.device
+        region = self.register(
+            tensor_ptr(tensor),
+            tensor.numel() * tensor.element_size(),
+            device_type=device.type,
+            device_index=device.index,
+        )
+        with self._lock:
+            self.tensors[region.ptr] = tensor.view(-1).view(torch.uint8)
+        return region
+
+    def deregister(self, region: MemoryRegion) -> None:
+        with self._lock:
+            if region not in self.regions:
+                raise RegistrationError(
+                    f"{self.config.name}: region at {region.ptr:#x} is not registered"
+                )
+            self.regions.remove(region)
+            self.tensors.pop(region.ptr, None)
+        self._deregister(region)
+
+    def set_kv_buffer_tensors(
+        self,
+        k_buffers: Sequence[torch.Tensor],
+        v_buffers: Sequence[torch.Tensor],
+        page_size: int,
+        *,
+        slot_layer_ids: Sequence[int] | None = None,
+    ) -> list[MemoryRegion]:
+        """Register every layer's K and V buffer for direct page writes.
+
+        `slot_layer_ids` maps buffer slots to model layers under pipeline
+        parallelism; it is stored (every transport accepts it) and not read while
+        pipeline parallelism is 1.
+        """
+        regions = [
+            self.register_tensor(t) for pair in zip(k_buffers, v_buffers, strict=True) for t in pair
+        ]
+        self.kv_layout = {
+            "page_size": page_size,
+            "num_layers": len(k_buffers),
+            "slot_layer_ids": list(slot_layer_ids) if slot_layer_ids is not None else None,
+        }
+        return regions
+
+    # -- description -----------------------------------------------------------
+    def describe(self) -> bytes:
+        """This endpoint as bytes for a peer (JSON): how to reach it, what it registered."""
+        with self._lock:
+            regions = [region.to_json() for region in self.regions]
+        payload = {
+            "transport": self.name,
+            "version": 1,
+            "name": self.config.name,
+            "regions": regions,
+        }
+        payload.update(self._describe())
+        return json.dumps(payload).encode()
+
+    def connect(self, description: bytes) -> Peer:
+        """Parse a peer's description and make (or refresh) the connection to it."""
+        try:
+            info = json.loads(description)
+            if not isinstance(info, dict):
+                raise ValueError("not a JSON object")
+            if info.get("transport") != self.name:
+                raise ValueError(
+                    f"it is a {info.get('transport')!r} description, not {self.name!r}"
+                )
+            regions = [MemoryRegion.from_json(item) for item in info.get("regions", [])]
+            name = str(info["name"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PeerUnreachable(f"{self.config.name}: bad peer description: {exc}") from None
+        return self._connect(name, regions, info)
+
+    # -- writes ----------------------------------------------------------------
+    def write_async(
+        self,
+        peer: Peer,
+        src: Sequence[int] | np.ndarray,
+        dst: Sequence[int] | np.ndarray,
+        lengths: Sequence[int] | np.ndarray,
+        *,
+        notify: bytes | None = None,
+    ) -> TransferHandle:
+        """Start a write; the handle reports completion (see the module docstring)."""
+        return self._write_async(peer, self._checked(peer, src, dst, lengths, notify), notify)
+
+    def write(
+        self,
+        peer: Peer,
+        src: Sequence[int] | np.ndarray,
+        dst: Sequence[int] | np.ndarray,
+        lengths: Sequence[int] | np.ndarray,
+        *,
+        notify: bytes | None = None,
+    ) -> None:
+        """Write and return once complete, or raise within the transfer timeout."""
+        self._write_sync(peer, self._checked(peer, src, dst, lengths, notify), notify)
+
+    def _checked(
+        self,
+        peer: Peer,
+        src: Sequence[int] | np.ndarray,
+        dst: Sequence[int] | np.ndarray,
+        lengths: Sequence[int] | np.ndarray,
+        notify: bytes | None,
+    ) -> Descriptors:
+        if self._closed:
+            raise TransportError(f"{self.config.name}: the transport is closed")
+        src_a, dst_a, len_a = check_descriptors(src, dst, lengths)
+        with self._lock:
+            bad = outside(self.regions, src_a, len_a)
+        if bad is not None:
+            raise BadDescriptor(
+                f"{self.config.name}: source [{int(src_a[bad]):#x}, +{int(len_a[bad])}) of "
+                f"descriptor {bad} is not in registered memory"
+            )
+        bad = outside(peer.regions, dst_a, len_a)
+        if bad is not None:
+            raise BadDescriptor(
+                f"{self.config.name}: destination [{int(dst_a[bad]):#x}, +{int(len_a[bad])}) of "
+                f"descriptor {bad} is outside the memory {peer.label} registered"
+            )
+        if notify is not None and len(notify) > MAX_NOTIFICATION_BYTES:
+            raise BadDescriptor(f"a notification is at most {MAX_NOTIFICATION_BYTES} bytes")
+        return src_a, dst_a, len_a
+
+    def _write_sync(self, peer: Peer, descriptors: Descriptors, notify: bytes | None) -> None:
+        """Default: asynchronous write plus a bounded wait. Transports may do better."""
+        handle = self._write_async(peer, descriptors, notify)
+        try:
+            handle.wait(self.config.transfer_timeout_s)
+        except TransferTimeout:
+            raise TransferTimeout(
+                f"{self.config.name}: write to {peer.label} did not complete within "
+                f"{self.config.transfer_timeout_s:g} s"
+            ) from None
+
+    # -- notifications -----------------------------------------------------------
+    def deliver(self, notification: Notification) -> None:
+        """Called by implementations when a notification arrives."""
+        with self._notified:
+            self._notifications.append(notification)
+            self._notified.notify_all()
+
+    def poll_notifications(self) -> list[Notification]:
+        self._poll()
+        with self._lock:
+            found = list(self._notifications)
+            self._notifications.clear()
+        return found
+
+    def wait_notification(self, message: bytes, timeout: float | None = None) -> Notification:
+        """Wait for a notification with exactly this message; others stay queued."""
+        limit = self.config.transfer_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while True:
+            self._poll()
+            with self._notified:
+                for item in self._notifications:
+                    if item.message == message:
+                        self._notifications.remove(item)
+                        return item
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferTimeout(
+                        f"{self.config.name}: no notification {message[:64]!r} within {limit:g} s"
+                    )
+                self._notified.wait(min(remaining, self._poll_interval))
+
+    _poll_interval = 0.005
+
+    def _poll(self) -> None:  # noqa: B027 (optional hook)
+        """Pull notifications from the library (transports that do not push them)."""
+
+    # -- lifecycle ---------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for region in list(self.regions):
+            with contextlib.suppress(TransportError):
+                self.deregister(region)
+        self._close()
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- implementation hooks --------------------------------------------------------
+    @abstractmethod
+    def _register(self, region: MemoryRegion) -> None: ...
+
+    @abstractmethod
+    def _deregister(self, region: MemoryRegion) -> None: ...
+
+    @abstractmethod
+    def _describe(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def _connect(self, name: str, regions: list[MemoryRegion], info: dict[str, Any]) -> Peer: ...
+
+    @abstractmethod
+    def _write_async(
+        self, peer: Peer, descriptors: Descriptors, notify: bytes | None
+    ) -> TransferHandle: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...

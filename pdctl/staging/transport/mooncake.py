@@ -1,0 +1,137 @@
+"""Mooncake Transfer Engine: P2P handshake, TCP (CI) or RDMA, CPU or GPU memory.
+
+The protocol comes from the topology (`transfer.protocol`), else from
+`MOONCAKE_PROTOCOL`, else tcp. `MC_USE_TENT=1` is read by Mooncake itself; whether
+the TENT engine is really there is reported by `tent_built()` (published wheels
+may be built without it, and then Mooncake ignores the variable silently).
+Notifications ride on Mooncake's own notify messages, sent with the last write.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pdctl.staging.descriptors import xpu_pointer_type
+from pdctl.staging.transport.base import (
+    Descriptors,
+    MemoryRegion,
+    Notification,
+    Peer,
+    PeerUnreachable,
+    RegistrationError,
+    TransferHandle,
+    Transport,
+    TransportConfig,
+    TransportError,
+)
+from pdctl.staging.transport.pool import WritePool
+
+
+def import_engine() -> Any:
+    try:
+        import mooncake.engine as engine
+    except ImportError as exc:
+        hint = ""
+        if "libibverbs" in str(exc):
+            hint = " (Mooncake links libibverbs even for TCP: apt-get install libibverbs1)"
+        raise TransportError(f"the mooncake transport needs mooncake.engine: {exc}{hint}") from None
+    return engine
+
+
+def tent_built() -> bool:
+    """Is the TENT engine compiled into the installed Mooncake? (symbol probe)"""
+    try:
+        import mooncake
+    except ImportError:
+        return False
+    folder = os.path.dirname(mooncake.__file__)
+    pattern = b"_ZN8mooncake4tent"
+    for name in os.listdir(folder):
+        if name.endswith(".so"):
+            with open(os.path.join(folder, name), "rb") as handle:
+                if pattern in handle.read():
+                    return True
+    return False
+
+
+class MooncakeTransport(Transport):
+    name = "mooncake"
+
+    def __init__(self, config: TransportConfig) -> None:
+        super().__init__(config)
+        engine = import_engine()
+        self._module = engine
+        self.protocol = config.protocol or os.environ.get("MOONCAKE_PROTOCOL", "tcp")
+        self.engine = engine.TransferEngine()
+        result = self.engine.initialize(
+            config.host, "P2PHANDSHAKE", self.protocol, ",".join(config.ib_devices)
+        )
+        if result != 0:
+            raise TransportError(
+                f"{config.name}: Mooncake failed to initialise ({self.protocol} on {config.host}): "
+                f"error {result}"
+            )
+        self.session = f"{config.host}:{self.engine.get_rpc_port()}"
+        self.tent_requested = os.environ.get("MC_USE_TENT") == "1"
+        self.pool = WritePool("mooncake")
+
+    def _register(self, region: MemoryRegion) -> None:
+        location = "*"
+        if region.device_type == "xpu":
+            location = xpu_pointer_type(region.ptr)
+        elif region.device_type != "cpu":
+            location = f"{region.device_type}:{region.device_index or 0}"
+        if self.engine.register_memory(region.ptr, region.length, location) != 0:
+            raise RegistrationError(
+                f"{self.config.name}: Mooncake refused to register {region.length} bytes at "
+                f"{region.ptr:#x} ({location})"
+            )
+
+    def _deregister(self, region: MemoryRegion) -> None:
+        self.engine.unregister_memory(region.ptr)
+
+    def _describe(self) -> dict[str, Any]:
+        return {"session": self.session, "protocol": self.protocol}
+
+    def _connect(self, name: str, regions: list[MemoryRegion], info: dict[str, Any]) -> Peer:
+        session = info.get("session")
+        if not isinstance(session, str) or ":" not in session:
+            raise PeerUnreachable(f"{self.config.name}: bad mooncake description (no session)")
+        if info.get("protocol") not in (None, self.protocol):
+            raise PeerUnreachable(
+                f"{self.config.name}: peer {name} uses protocol {info.get('protocol')}, "
+                f"this endpoint {self.protocol}"
+            )
+        return Peer(name, session, regions, {"session": session})
+
+    def _write_async(
+        self, peer: Peer, descriptors: Descriptors, notify: bytes | None
+    ) -> TransferHandle:
+        return self.pool.submit(peer, lambda: self._write(peer, descriptors, notify))
+
+    def _write(self, peer: Peer, descriptors: Descriptors, notify: bytes | None) -> None:
+        src, dst, lengths = (a.tolist() for a in descriptors)
+        session = peer.state["session"]
+        if notify is None:
+            result = self.engine.batch_transfer_sync_write(session, src, dst, lengths)
+        else:
+            message = self._module.TransferNotify(self.config.name, notify.hex())
+            opcode = self._module.TransferOpcode.Write
+            result = self.engine.batch_transfer_sync(session, src, dst, lengths, opcode, message)
+        if result < 0:
+            raise TransportError(
+                f"{self.config.name}: Mooncake write to {peer.label} failed (error {result}); "
+                "is the peer alive and its memory registered?"
+            )
+
+    def _poll(self) -> None:
+        for item in self.engine.get_notifies():
+            try:
+                message = bytes.fromhex(item.msg)
+            except ValueError:
+                continue  # not one of ours
+            self.deliver(Notification(str(item.name), message))
+
+    def _close(self) -> None:
+        self.pool.shutdown()

@@ -1,0 +1,209 @@
+"""NIXL with the UCX (or LIBFABRIC) plugin: DRAM on the CPU, VRAM on accelerators.
+
+NIXL helpers can return None on bad input; every such result is turned into an
+error here. Peers are added from their agent metadata (carried in the
+description); notifications are NIXL's own, delivered when the write completes.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import importlib
+import logging
+import sys
+import time
+import uuid
+from typing import Any
+
+from pdctl.staging.transport.base import (
+    Descriptors,
+    MemoryRegion,
+    Notification,
+    Peer,
+    PeerUnreachable,
+    RegistrationError,
+    TransferHandle,
+    TransferTimeout,
+    Transport,
+    TransportConfig,
+    TransportError,
+)
+
+
+def import_nixl() -> Any:
+    errors = []
+    for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        try:
+            api = importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        _logs_to_stderr()
+        return api
+    raise TransportError(
+        "the nixl transport needs nixl (pip install --no-deps nixl-cu12 nixl): " + "; ".join(errors)
+    )
+
+
+def _logs_to_stderr() -> None:
+    """NIXL's logger writes to stdout, which belongs to data (--json); move it to stderr."""
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
+def memory_type(device_type: str) -> str:
+    return "DRAM" if device_type == "cpu" else "VRAM"
+
+
+class NixlHandle(TransferHandle):
+    def __init__(self, transport: NixlTransport, handle: Any, peer: Peer) -> None:
+        self.transport, self.handle, self.peer = transport, handle, peer
+        self.finished = False
+
+    def done(self) -> bool:
+        if self.finished:
+            return True
+        state = self.transport.agent.check_xfer_state(self.handle)
+        if state == "PROC":
+            return False
+        self.transport.agent.release_xfer_handle(self.handle)
+        self.finished = True
+        if state != "DONE":
+            raise TransportError(
+                f"{self.transport.config.name}: NIXL write to {self.peer.label} ended in {state}"
+            )
+        return True
+
+    def wait(self, timeout: float) -> None:
+        try:
+            super().wait(timeout)
+        except TransferTimeout:
+            raise TransferTimeout(
+                f"{self.transport.config.name}: NIXL write to {self.peer.label} did not complete "
+                f"within {timeout:g} s"
+            ) from None
+
+    def timeout_message(self, timeout: float) -> str:
+        return f"NIXL write to {self.peer.label} did not complete within {timeout:g} s"
+
+
+class NixlTransport(Transport):
+    name = "nixl"
+
+    def __init__(self, config: TransportConfig) -> None:
+        super().__init__(config)
+        api = import_nixl()
+        self.agent_name = f"{config.name}/{uuid.uuid4().hex[:8]}"
+        try:
+            agent_config = api.nixl_agent_config(backends=[config.nixl_backend])
+            self.agent = api.nixl_agent(self.agent_name, agent_config)
+        except Exception as exc:  # NIXL raises its own exception types
+            raise TransportError(
+                f"{config.name}: NIXL could not start a {config.nixl_backend} agent: {exc}"
+            ) from None
+        self.peer_names: dict[str, str] = {}  # NIXL agent name -> pdctl peer name
+        self.reg_descs: dict[int, Any] = {}
+
+    def _register(self, region: MemoryRegion) -> None:
+        try:
+            descs = self.agent.register_memory(
+                [(region.ptr, region.length, region.device_index or 0, "")],
+                memory_type(region.device_type),
+            )
+        except Exception as exc:
+            raise RegistrationError(
+                f"{self.config.name}: NIXL refused to register {region.length} bytes: {exc}"
+            ) from None
+        if descs is None:
+            raise RegistrationError(
+                f"{self.config.name}: NIXL returned no registration for {region.ptr:#x}"
+            )
+        self.reg_descs[region.ptr] = descs
+
+    def _deregister(self, region: MemoryRegion) -> None:
+        descs = self.reg_descs.pop(region.ptr, None)
+        if descs is not None:
+            self.agent.deregister_memory(descs)
+
+    def _describe(self) -> dict[str, Any]:
+        metadata = self.agent.get_agent_metadata()
+        return {"agent": self.agent_name, "metadata": base64.b64encode(metadata).decode()}
+
+    def _connect(self, name: str, regions: list[MemoryRegion], info: dict[str, Any]) -> Peer:
+        try:
+            metadata = base64.b64decode(str(info["metadata"]), validate=True)
+            remote = self.agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise PeerUnreachable(
+                f"{self.config.name}: cannot add NIXL peer {name}: {exc}"
+            ) from None
+        if remote is None:
+            raise PeerUnreachable(f"{self.config.name}: NIXL rejected the metadata of {name}")
+        remote_name = remote.decode() if isinstance(remote, bytes) else str(remote)
+        self.peer_names[remote_name] = name
+        return Peer(name, f"nixl:{remote_name}", regions, {"agent": remote_name})
+
+    def _write_async(
+        self, peer: Peer, descriptors: Descriptors, notify: bytes | None
+    ) -> TransferHandle:
+        src, dst, lengths = (a.tolist() for a in descriptors)
+        local_type = {self._region_of(p, n).device_type for p, n in zip(src, lengths, strict=True)}
+        remote_type = {
+            next(r for r in peer.regions if r.contains(p, n)).device_type
+            for p, n in zip(dst, lengths, strict=True)
+        }
+        if len(local_type) != 1 or len(remote_type) != 1:
+            raise TransportError(
+                f"{self.config.name}: one NIXL write cannot mix host and device memory"
+            )
+        local_index = self._region_of(src[0], lengths[0]).device_index or 0
+        local = self.agent.get_xfer_descs(
+            [(p, n, local_index) for p, n in zip(src, lengths, strict=True)],
+            memory_type(local_type.pop()),
+        )
+        remote_index = (
+            next(r for r in peer.regions if r.contains(dst[0], lengths[0])).device_index or 0
+        )
+        remote = self.agent.get_xfer_descs(
+            [(p, n, remote_index) for p, n in zip(dst, lengths, strict=True)],
+            memory_type(remote_type.pop()),
+        )
+        if local is None or remote is None:
+            raise TransportError(
+                f"{self.config.name}: NIXL could not describe the write to {peer.label}"
+            )
+        try:
+            handle = self.agent.initialize_xfer(
+                "WRITE", local, remote, peer.state["agent"], notify or b""
+            )
+            if handle is None:
+                raise TransportError("no transfer handle")
+            if self.agent.transfer(handle) == "ERR":
+                self.agent.release_xfer_handle(handle)
+                raise TransportError("the transfer was refused")
+        except TransportError as exc:
+            raise TransportError(
+                f"{self.config.name}: NIXL write to {peer.label} failed: {exc}"
+            ) from None
+        except Exception as exc:
+            raise TransportError(
+                f"{self.config.name}: NIXL write to {peer.label} failed: {exc}"
+            ) from None
+        return NixlHandle(self, handle, peer)
+
+    def _region_of(self, ptr: int, length: int) -> MemoryRegion:
+        return next(r for r in self.regions if r.contains(ptr, length))
+
+    def _poll(self) -> None:
+        for agent, messages in self.agent.get_new_notifs().items():
+            peer = self.peer_names.get(agent, agent.rsplit("/", 1)[0])
+            for message in messages:
+                self.deliver(Notification(peer, bytes(message)))
+
+    def _close(self) -> None:
+        for remote in list(self.peer_names):
+            with contextlib.suppress(Exception):
+                self.agent.remove_remote_agent(remote)
+        time.sleep(0)  # NIXL releases its threads when the agent is collected
