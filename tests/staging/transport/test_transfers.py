@@ -90,7 +90,7 @@ def test_unregistered_source_is_a_clear_error(writer, peer) -> None:
 
 def test_destination_outside_the_peers_memory_is_a_clear_error(writer, peer, source) -> None:
     connection = writer.connect(peer.description)
-    with pytest.raises(BadDescriptor, match="outside the memory decode-0 .* registered"):
+    with pytest.raises(BadDescriptor, match=r"outside the memory decode-0 .* registered"):
         writer.write(connection, [source.ctypes.data], [peer.base + (300 << 20)], [4096])
 
 
