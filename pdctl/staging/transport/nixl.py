@@ -24,7 +24,6 @@ from pdctl.staging.transport.base import (
     PeerUnreachable,
     RegistrationError,
     TransferHandle,
-    TransferTimeout,
     Transport,
     TransportConfig,
     TransportError,
@@ -76,17 +75,9 @@ class NixlHandle(TransferHandle):
             )
         return True
 
-    def wait(self, timeout: float) -> None:
-        try:
-            super().wait(timeout)
-        except TransferTimeout:
-            raise TransferTimeout(
-                f"{self.transport.config.name}: NIXL write to {self.peer.label} did not complete "
-                f"within {timeout:g} s"
-            ) from None
-
     def timeout_message(self, timeout: float) -> str:
-        return f"NIXL write to {self.peer.label} did not complete within {timeout:g} s"
+        name = self.transport.config.name
+        return f"{name}: NIXL write to {self.peer.label} did not complete within {timeout:g} s"
 
 
 class NixlTransport(Transport):
