@@ -37,6 +37,7 @@ bench: setup
 	$(PY) benchmarks/cli_startup.py
 	$(PDCTL) bench staging
 	$(PDCTL) bench transport
+	$(PDCTL) bench engine
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -132,3 +132,50 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     axes.legend()
     figure.tight_layout()
     figure.savefig(path)
+
+
+@bench_app.command("engine")
+def engine(
+    ctx: typer.Context,
+    preset: Annotated[str, typer.Option(help="Model preset: tiny (CPU) or small (GPU).")] = "tiny",
+    device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
+    json: JsonOption = False,
+    verbose: VerboseOption = 0,
+    quiet: QuietOption = False,
+) -> None:
+    """Embedded engine tokens/s and per-step latency at batch 1, 8 and 32."""
+    import json as json_module
+    import subprocess
+    import sys
+
+    opts = options(ctx, json, verbose, quiet)
+    argv = [
+        sys.executable,
+        "-m",
+        "pdctl.serve.bench",
+        "--preset",
+        preset,
+        "--device",
+        device,
+        "--json",
+    ]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise UsageError(f"the engine benchmark failed: {result.stderr.strip()[-500:]}")
+    report = json_module.loads(result.stdout.strip().splitlines()[-1])
+    if opts.json:
+        console.emit_json(report)
+        return
+    table = Table(
+        title=f"engine bench: {report['preset']} on {report['device']} ({report['dtype']})"
+    )
+    for column in ("batch", "tokens/s", "ms/step", "steps"):
+        table.add_column(column, justify="right")
+    for row in report["rows"]:
+        table.add_row(
+            str(row["batch"]),
+            f"{row['tokens_per_s']:.1f}",
+            f"{row['step_ms']:.2f}",
+            str(row["steps"]),
+        )
+    console.out.print(table)

@@ -1,0 +1,126 @@
+"""Command-line arguments of `python -m pdctl.serve` (what `pdctl plan` prints).
+
+Every flag maps to a topology key (see `pdctl.engines.embedded`); the server reads
+them once here into a frozen `ServerArgs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    role: str
+    topology_name: str
+    replica: int
+    host: str
+    port: int
+    tp: int
+    tp_rank: int
+    dist_port: int | None
+    device: str
+    model_preset: str | None
+    model_path: str | None
+    dtype: str
+    seed: int
+    page_size: int
+    max_running_requests: int
+    chunked_prefill_tokens: int
+    kv_pool_tokens: int | None
+    overlap: bool
+    transfer_backend: str
+    transport_ports: tuple[int, ...]
+    mooncake_protocol: str
+    ib_devices: tuple[str, ...]
+    nixl_backend: str
+    staging: bool
+    staging_pool_mb: float
+    staging_segment_mb: float
+    bootstrap_port: int | None
+    connect_timeout: float
+    bootstrap_timeout: float
+    transfer_timeout: float
+    prefill: tuple[tuple[str, int | None], ...] = field(default_factory=tuple)
+    decode: tuple[str, ...] = field(default_factory=tuple)
+    encoder: tuple[str, ...] = field(default_factory=tuple)
+    request_timeout: float = 120.0
+
+    @property
+    def title_role(self) -> str:
+        return self.role if self.replica == 0 else f"{self.role}-{self.replica}"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdctl.serve", description="pdctl's embedded server")
+    p.add_argument(
+        "--role", required=True, choices=["colocated", "prefill", "decode", "encoder", "router"]
+    )
+    p.add_argument("--topology-name", default="adhoc")
+    p.add_argument("--replica", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--dist-port", type=int)
+    p.add_argument("--device", default="cpu")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model-preset")
+    model.add_argument("--model-path")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--chunked-prefill-tokens", type=int, default=512)
+    p.add_argument("--kv-pool-tokens", type=int)
+    p.add_argument("--disable-overlap", action="store_true")
+    p.add_argument("--transfer-backend", default="tcp", choices=["tcp", "mooncake", "nixl"])
+    p.add_argument("--transport-ports", default="")
+    p.add_argument("--mooncake-protocol", default="tcp", choices=["tcp", "rdma"])
+    p.add_argument("--ib-device", action="append", default=[])
+    p.add_argument("--nixl-backend", default="UCX")
+    staging = p.add_mutually_exclusive_group()
+    staging.add_argument("--staging", dest="staging", action="store_true", default=True)
+    staging.add_argument("--no-staging", dest="staging", action="store_false")
+    p.add_argument("--staging-pool-mb", type=float, default=64.0)
+    p.add_argument("--staging-segment-mb", type=float, default=16.0)
+    p.add_argument("--bootstrap-port", type=int)
+    p.add_argument("--connect-timeout", type=float, default=10.0)
+    p.add_argument("--bootstrap-timeout", type=float, default=30.0)
+    p.add_argument("--transfer-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT")
+    )
+    p.add_argument("--decode", action="append", default=[])
+    p.add_argument("--encoder", action="append", default=[])
+    p.add_argument("--request-timeout", type=float, default=120.0)
+    return p
+
+
+def parse(argv: list[str]) -> ServerArgs:
+    p = parser()
+    a = p.parse_args(argv)
+    if a.role != "router" and a.model_preset is None and a.model_path is None:
+        a.model_preset = "tiny"
+    prefill = []
+    for entry in a.prefill:
+        if len(entry) > 2:
+            p.error(f"--prefill takes URL [BOOTSTRAP_PORT], got {entry}")
+        port = int(entry[1]) if len(entry) == 2 and entry[1].lower() != "none" else None
+        prefill.append((entry[0], port))
+    ports = tuple(int(x) for x in a.transport_ports.split(",") if x)
+    return ServerArgs(
+        role=a.role, topology_name=a.topology_name, replica=a.replica, host=a.host, port=a.port,
+        tp=a.tp, tp_rank=a.tp_rank, dist_port=a.dist_port, device=a.device,
+        model_preset=a.model_preset, model_path=a.model_path, dtype=a.dtype, seed=a.seed,
+        page_size=a.page_size, max_running_requests=a.max_running_requests,
+        chunked_prefill_tokens=a.chunked_prefill_tokens, kv_pool_tokens=a.kv_pool_tokens,
+        overlap=not a.disable_overlap, transfer_backend=a.transfer_backend, transport_ports=ports,
+        mooncake_protocol=a.mooncake_protocol, ib_devices=tuple(a.ib_device),
+        nixl_backend=a.nixl_backend, staging=a.staging, staging_pool_mb=a.staging_pool_mb,
+        staging_segment_mb=a.staging_segment_mb, bootstrap_port=a.bootstrap_port,
+        connect_timeout=a.connect_timeout, bootstrap_timeout=a.bootstrap_timeout,
+        transfer_timeout=a.transfer_timeout, prefill=tuple(prefill), decode=tuple(a.decode),
+        encoder=tuple(a.encoder), request_timeout=a.request_timeout,
+    )  # fmt: skip

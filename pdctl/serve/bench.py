@@ -1,0 +1,100 @@
+"""Engine benchmark: tokens/s and per-step latency at several batch sizes, in process.
+
+    python -m pdctl.serve.bench [--preset tiny] [--device cpu] [--json]
+
+Each batch size submits that many greedy requests at once (32-token prompts, 64
+new tokens each) to a fresh engine and times them to completion; the step latency
+is the wall time divided by the forwards the engine ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from typing import Any
+
+import torch
+
+from pdctl.serve.engine import Engine
+from pdctl.serve.kv_pool import KVPool, ReqToToken
+from pdctl.serve.model import ModelRunner
+from pdctl.serve.radix import RadixCache
+from pdctl.serve.request import Request
+from pdctl.serve.sampling import SamplingParams
+from pdctl.serve.scheduler import Budget, Scheduler
+from pdctl.serve.tokenizer import ByteTokenizer
+from pdctl.serve.weights import build_rank_weights, preset_config, preset_source
+
+DTYPES = {"cpu": torch.float32}
+
+
+def run_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int) -> dict[str, Any]:
+    remaining = [batch]
+    done = threading.Event()
+    lock = threading.Lock()
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    forwards = engine.stats.forwards
+    start = time.perf_counter()
+    for i in range(batch):
+        prompt = [(7 * i + j) % 256 for j in range(prompt_len)]
+
+        def sink(event: Any) -> None:  # runs on the scheduler thread: never block here
+            if event.finish_reason is not None or event.error is not None:
+                with lock:
+                    remaining[0] -= 1
+                    if remaining[0] == 0:
+                        done.set()
+
+        engine.submit(Request(f"bench-{batch}-{i}-{time.monotonic_ns()}", prompt, params, sink))
+    done.wait(timeout=600)
+    elapsed = time.perf_counter() - start
+    steps = engine.stats.forwards - forwards
+    return {
+        "batch": batch,
+        "tokens_per_s": round(batch * new_tokens / elapsed, 1),
+        "step_ms": round(elapsed / max(steps, 1) * 1e3, 2),
+        "steps": steps,
+        "seconds": round(elapsed, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    device = torch.device(args.device if args.device == "cpu" else f"{args.device}:0")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    dtype = DTYPES.get(device.type, torch.bfloat16)
+    config = preset_config(args.preset)
+    weights = build_rank_weights(config, preset_source(0), 1, 0, dtype, device)
+    kv = KVPool(
+        config.shape.num_layers, 16384, weights.kv_heads, config.shape.head_dim, 16, dtype, device
+    )
+    scheduler = Scheduler(
+        kv, ReqToToken(64, 4096), RadixCache(kv.pages, 16, enabled=False), Budget(64, 2048)
+    )
+    engine = Engine(
+        scheduler, ModelRunner(weights, kv, device).forward, ByteTokenizer(config.shape.vocab_size)
+    )
+    engine.start()
+    run_batch(engine, 1, 32, 4)  # warm-up
+    rows = [run_batch(engine, int(b), 32, args.new_tokens) for b in args.batches.split(",")]
+    engine.stop()
+    report = {"preset": args.preset, "device": str(device), "dtype": str(dtype), "rows": rows}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for row in rows:
+            line = f"batch {row['batch']:>3}: {row['tokens_per_s']:>8} tokens/s"
+            print(f"{line}, {row['step_ms']} ms/step")
+
+
+if __name__ == "__main__":
+    main()

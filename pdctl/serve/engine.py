@@ -1,0 +1,224 @@
+"""The engine: one scheduler thread that batches requests and runs the model.
+
+Callers (the HTTP layer) submit requests and commands from any thread; the
+scheduler thread owns every piece of engine state, runs forwards and delivers
+`Event`s through each request's sink. In overlap mode the forward runs on a
+worker thread while the scheduler admits and prepares new requests; the tokens
+are the same either way (the model is batch-invariant).
+
+The engine knows nothing about HTTP or about how ranks communicate: `forward` is
+whatever callable runs one batch on every rank and returns rank 0's logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdctl.serve.model import Piece
+from pdctl.serve.request import Event, Phase, Request
+from pdctl.serve.sampling import choose, generator_for
+from pdctl.serve.scheduler import Scheduler
+from pdctl.serve.tokenizer import Tokenizer
+
+log = logging.getLogger("pdctl.serve")
+Forward = Callable[[Sequence[Piece]], torch.Tensor | None]
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    finished: int = 0
+    aborted: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_tokens: int = 0
+    forwards: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        forward: Forward,
+        tokenizer: Tokenizer,
+        *,
+        overlap: bool = False,
+    ) -> None:
+        self.scheduler = scheduler
+        self.forward = forward
+        self.tokenizer = tokenizer
+        self.overlap = overlap
+        self.stats = Stats()
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._stop = threading.Event()
+        self._worker = (
+            ThreadPoolExecutor(1, thread_name_prefix="pdctl-forward") if overlap else None
+        )
+        self.failed: str | None = None
+        self.thread = threading.Thread(target=self._loop, name="pdctl-scheduler", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    # -- called from other threads ---------------------------------------------------
+    def submit(self, request: Request) -> None:
+        self._inbox.put(("submit", request))
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def call(self, function: Callable[[], Any], timeout: float = 60.0) -> Any:
+        """Run `function` on the scheduler thread (between forwards) and return its result."""
+        future: Future[Any] = Future()
+        self._inbox.put(("call", (function, future)))
+        return future.result(timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self.thread.join(timeout=10)
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive() and self.failed is None
+
+    # -- scheduler thread ---------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                idle = not self.scheduler.running and not self.scheduler.waiting
+                self._drain(block=idle)
+                if self._stop.is_set():
+                    break
+                self._step()
+        except Exception as exc:  # the engine is dead: fail everything, report unhealthy
+            log.exception("scheduler thread failed")
+            self.failed = f"{type(exc).__name__}: {exc}"
+            for request in [*self.scheduler.running, *self.scheduler.waiting]:
+                request.sink(Event(request.rid, error=f"engine failed: {self.failed}"))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "submit":
+            self._accept(payload)
+        elif kind == "abort":
+            self._abort(payload)
+        elif kind == "call":
+            function, future = payload
+            try:
+                future.set_result(function())
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _accept(self, request: Request) -> None:
+        problem = self.scheduler.admission_problem(request)
+        if problem:
+            request.sink(Event(request.rid, error=problem))
+            return
+        if request.params.temperature > 0:
+            request.generator = generator_for(request.params, request.rid)
+        self.stats.requests += 1
+        self.stats.prompt_tokens += request.prompt_len
+        self.scheduler.add(request)
+
+    def _abort(self, rid: str) -> None:
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            if request.rid == rid and request.phase is not Phase.DONE:
+                request.aborted = True
+                self._finish(request, {"type": "abort"}, cache=False)
+                if request in self.scheduler.waiting:
+                    self.scheduler.waiting.remove(request)
+
+    def _step(self) -> None:
+        batch = self.scheduler.next_batch()
+        if not batch:
+            if self.scheduler.waiting and not self.scheduler.running:
+                time.sleep(0.005)  # waiting on pages held by the cache or a command
+            return
+        pieces = [piece for _, piece in batch]
+        if self._worker is not None:
+            pending = self._worker.submit(self.forward, pieces)
+            while not pending.done():  # overlap: take in new work while the model runs
+                self._drain(block=False)
+                time.sleep(0.0005)
+            logits = pending.result()
+        else:
+            logits = self.forward(pieces)
+        self.stats.forwards += 1
+        self._commit(batch, logits)
+
+    def _commit(self, batch: list[tuple[Request, Piece]], logits: torch.Tensor | None) -> None:
+        row = 0
+        for request, piece in batch:
+            request.computed = piece.start + piece.tokens.numel()
+            if request.phase is Phase.PREFILL and request.computed == request.prompt_len:
+                request.phase = Phase.DECODE
+                self.stats.cached_tokens += request.cached_tokens
+            if not piece.want_logits:
+                continue
+            assert logits is not None
+            row_logits = logits[row]
+            row += 1
+            if request.phase is Phase.DONE:  # aborted while the forward ran
+                continue
+            top = request.top_logprobs_num if request.return_logprob else 0
+            picked = choose(row_logits, request.params, request.generator, top)
+            self._emit(request, picked)
+
+    def _emit(self, request: Request, picked: Any) -> None:
+        if request.first_token_at is None:
+            request.first_token_at = time.monotonic()
+        request.output_ids.append(picked.token)
+        request.choices.append(picked)
+        self.stats.generated_tokens += 1
+        reason = self._finish_reason(request)
+        request.sink(Event(request.rid, token=picked.token, choice=picked))
+        if reason is not None:
+            self._finish(request, reason)
+
+    def _finish_reason(self, request: Request) -> dict[str, Any] | None:
+        params = request.params
+        token = request.output_ids[-1]
+        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            return {"type": "stop", "matched": token}
+        if token in params.stop_token_ids:
+            return {"type": "stop", "matched": token}
+        if params.stop:
+            text = self.tokenizer.decode(request.output_ids)
+            for stop in params.stop:
+                if stop and stop in text:
+                    return {"type": "stop", "matched": stop}
+        if len(request.output_ids) >= params.max_new_tokens:
+            return {"type": "length", "length": params.max_new_tokens}
+        return None
+
+    def _finish(self, request: Request, reason: dict[str, Any], cache: bool = True) -> None:
+        request.phase = Phase.DONE
+        self.scheduler.release(request, cache=cache)
+        if reason.get("type") == "abort":
+            self.stats.aborted += 1
+        else:
+            self.stats.finished += 1
+        request.sink(Event(request.rid, finish_reason=reason))

@@ -1,0 +1,157 @@
+"""Batch-invariant primitives: a token's result never depends on what else is computed.
+
+Why results could otherwise change with the batch (measured on this torch/MKL):
+- `mm` picks different kernels by shape: M == 1 or N == 1 take a matrix-vector
+  path with another summation order, and with several threads large M splits the
+  reduction. Every product here runs single-threaded (the server sets one thread)
+  with M and N padded to multiples of TILE, where each output element's value
+  depends only on its own row and column (tested: every M, N multiple of 16, any
+  row position, any other rows).
+- Vectorised transcendental functions treat the tail of a tensor in scalar code.
+  Token counts are padded to TILE, so no real element ever lands in a tail.
+- Reductions whose length depends on the batch (attention over a growing number
+  of keys) are done in fixed blocks of KEY_BLOCK keys, combined by a sequential
+  cumulative sum: trailing zero blocks (keys a query may not see) add exact zeros.
+- Tensor parallelism: a row-parallel product is split into REDUCTION_CHUNKS fixed
+  column ranges whatever the TP size; each rank computes its chunks, the partials
+  are gathered and summed in chunk order, so TP 1, 2, 4 and 8 add the same numbers
+  in the same order.
+
+Shapes are noted as [tokens, features]; "padded" means rounded up to TILE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+TILE = 16
+KEY_BLOCK = 64
+REDUCTION_CHUNKS = 8
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def pad_rows(x: torch.Tensor, multiple: int = TILE) -> torch.Tensor:
+    rows = x.shape[0]
+    target = max(multiple, round_up(rows, multiple))
+    if target == rows:
+        return x
+    padded = x.new_zeros((target, *x.shape[1:]))
+    padded[:rows] = x
+    return padded
+
+
+def matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight_t [K, N] -> [M, N], batch-invariant.
+
+    `weight_t` must have N padded to TILE already (weights are prepared at load).
+    """
+    rows = x.shape[0]
+    if weight_t.shape[1] % TILE:
+        raise ValueError(f"weight has {weight_t.shape[1]} columns, not a multiple of {TILE}")
+    return torch.mm(pad_rows(x), weight_t)[:rows]
+
+
+AllGather = Callable[[torch.Tensor], torch.Tensor]
+
+
+def row_parallel_matmul(
+    x: torch.Tensor, weight_chunks: list[torch.Tensor], gather: AllGather | None
+) -> torch.Tensor:
+    """sum_c x_c @ W_c over REDUCTION_CHUNKS column ranges, summed in chunk order.
+
+    `x` [M, K_local] holds this rank's chunks side by side; `weight_chunks` are this
+    rank's [K_chunk, N] pieces. `gather` stacks every rank's partials in rank order
+    ([chunks, M, N]); None when there is one rank.
+    """
+    width = weight_chunks[0].shape[0]
+    partials = torch.stack(
+        [matmul(x[:, i * width : (i + 1) * width], w) for i, w in enumerate(weight_chunks)]
+    )  # [local chunks, M, N]
+    if gather is not None:
+        partials = gather(partials)  # [REDUCTION_CHUNKS, M, N]
+    total = partials[0].clone()
+    for chunk in partials[1:]:
+        total += chunk
+    return total
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] (T padded) -> normalised, per row."""
+    variance = x.pow(2).mean(dim=-1, keepdim=True)
+    return x * torch.rsqrt(variance + eps) * weight
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+def rope_tables(
+    head_dim: int, max_position: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_position, head_dim // 2], computed once in float64."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by per-token cos/sin [T, D/2] (Llama's half-split layout)."""
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((first * c - second * s, second * c + first * s), dim=-1)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of one sequence, batch- and chunk-invariant.
+
+    q [n, Hq, D] at absolute positions `query_positions` [n]; k, v [Tk, Hkv, D] hold
+    keys 0..Tk-1 of the same sequence. Query i sees keys j <= query_positions[i].
+    Returns [n, Hq, D].
+    """
+    n, heads, dim = q.shape
+    keys, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    n_pad = max(TILE, round_up(n, TILE))
+    k_pad = max(KEY_BLOCK, round_up(keys, KEY_BLOCK))
+    blocks = k_pad // KEY_BLOCK
+    q_h = q.new_zeros((heads, n_pad, dim))
+    q_h[:, :n] = q.transpose(0, 1)
+    k_h = k.new_zeros((kv_heads, k_pad, dim))
+    k_h[:, :keys] = k.transpose(0, 1)
+    v_h = v.new_zeros((kv_heads, k_pad, dim))
+    v_h[:, :keys] = v.transpose(0, 1)
+    if group > 1:  # grouped-query attention: each KV head serves `group` query heads
+        k_h = k_h.repeat_interleave(group, dim=0)
+        v_h = v_h.repeat_interleave(group, dim=0)
+    scores = torch.bmm(q_h, k_h.transpose(1, 2)) * scale  # [heads, n_pad, k_pad]
+    visible = torch.zeros((n_pad, k_pad), dtype=torch.bool, device=q.device)
+    key_index = torch.arange(k_pad, device=q.device)
+    visible[:n] = key_index[None, :] <= query_positions[:, None]
+    visible[:, keys:] = False
+    scores = scores.masked_fill(~visible, float("-inf"))
+    peak = scores.amax(dim=-1, keepdim=True)  # exact, order-free
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    weights = torch.exp(scores - peak)  # masked keys -> exactly 0
+    block_weights = weights.view(heads, n_pad, blocks, KEY_BLOCK)
+    norm = block_weights.sum(dim=-1).cumsum(dim=-1)[..., -1:]  # [heads, n_pad, 1]
+    values = v_h.view(heads, blocks, KEY_BLOCK, dim)
+    partial = _block_values(block_weights, values)  # [heads, blocks, n_pad, dim]
+    out = partial.cumsum(dim=1)[:, -1]  # [heads, n_pad, dim], blocks summed in order
+    out = out / torch.where(norm > 0, norm, torch.ones_like(norm))
+    return out[:, :n].transpose(0, 1).contiguous()
+
+
+def _block_values(block_weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per key block: weights [H, n, B, KB] @ values [H, B, KB, D] -> [H, B, n, D]."""
+    heads, n_pad, blocks, width = block_weights.shape
+    left = block_weights.permute(0, 2, 1, 3).reshape(heads * blocks, n_pad, width)
+    right = values.reshape(heads * blocks, width, values.shape[-1])
+    return torch.bmm(left, right).view(heads, blocks, n_pad, values.shape[-1])

@@ -1,0 +1,123 @@
+"""Prefix cache over page-aligned token prefixes (a radix tree with one page per edge).
+
+A node stands for one full page of KV: the tokens of that page are its key under
+its parent. Requests lock the nodes they read (a reference count); unlocked leaves
+are evicted least recently used first; `flush` evicts everything unlocked. The
+cache owns the pages of its nodes and gives them back to the allocator on eviction.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from pdctl.serve.kv_pool import PageAllocator
+
+
+@dataclass(eq=False)
+class Node:
+    page: int
+    parent: Node | None
+    key: tuple[int, ...]
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    locks: int = 0
+    last_use: int = 0
+
+
+class RadixCache:
+    def __init__(self, pages: PageAllocator, page_size: int, enabled: bool = True) -> None:
+        self.pages = pages
+        self.page_size = page_size
+        self.enabled = enabled
+        self.root = Node(-1, None, ())
+        self.clock = itertools.count(1)
+        self.num_cached_pages = 0
+
+    def _keys(self, tokens: list[int]) -> list[tuple[int, ...]]:
+        full = len(tokens) // self.page_size
+        return [tuple(tokens[i * self.page_size : (i + 1) * self.page_size]) for i in range(full)]
+
+    def match(self, tokens: list[int]) -> list[Node]:
+        """Nodes of the longest cached page-aligned prefix of `tokens` (not locked)."""
+        if not self.enabled:
+            return []
+        found = []
+        node = self.root
+        now = next(self.clock)
+        for key in self._keys(tokens):
+            child = node.children.get(key)
+            if child is None:
+                break
+            child.last_use = now
+            found.append(child)
+            node = child
+        return found
+
+    def lock(self, nodes: list[Node]) -> None:
+        for node in nodes:
+            node.locks += 1
+
+    def unlock(self, nodes: list[Node]) -> None:
+        for node in nodes:
+            if node.locks <= 0:
+                raise ValueError("unlocking a radix node that is not locked")
+            node.locks -= 1
+
+    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+        """Cache the full pages of `tokens` (stored in `pages`).
+
+        Returns the pages the cache did not take (their prefix was already cached),
+        which the caller must free.
+        """
+        keys = self._keys(tokens)
+        if not self.enabled:
+            return list(pages)
+        leftover: list[int] = []
+        node = self.root
+        now = next(self.clock)
+        for key, page in zip(keys, pages, strict=False):
+            child = node.children.get(key)
+            if child is None:
+                child = Node(page, node, key, last_use=now)
+                node.children[key] = child
+                self.num_cached_pages += 1
+            elif child.page != page:
+                leftover.append(page)
+            child.last_use = now
+            node = child
+        return leftover
+
+    def evictable(self) -> int:
+        return sum(1 for node in self._nodes() if node.locks == 0)
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to `num_pages` pages from unlocked leaves, least recently used first."""
+        freed = 0
+        while freed < num_pages:
+            leaves = [n for n in self._nodes() if not n.children and n.locks == 0]
+            if not leaves:
+                break
+            for leaf in sorted(leaves, key=lambda n: n.last_use):
+                if freed >= num_pages:
+                    break
+                self._remove(leaf)
+                freed += 1
+        return freed
+
+    def flush(self) -> int:
+        """Evict every unlocked page; returns how many were freed."""
+        return self.evict(self.num_cached_pages)
+
+    def _remove(self, node: Node) -> None:
+        assert node.parent is not None and not node.children
+        del node.parent.children[node.key]
+        self.pages.free([node.page])
+        self.num_cached_pages -= 1
+
+    def _nodes(self) -> list[Node]:
+        found, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            found.append(node)
+            stack.extend(node.children.values())
+        return found

@@ -1,0 +1,71 @@
+"""A request's state inside the engine, and the events it reports to its caller."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from pdctl.serve.radix import Node
+from pdctl.serve.sampling import SamplingParams, TokenChoice
+
+
+class Phase(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+@dataclass
+class Event:
+    """What a request reports: new tokens, then a final event with `finish_reason`."""
+
+    rid: str
+    token: int | None = None
+    choice: TokenChoice | None = None
+    finish_reason: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[Event], None]
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    created: float = field(default_factory=time.monotonic)
+    # engine state
+    phase: Phase = Phase.WAITING
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)  # pages this request owns
+    cached_nodes: list[Node] = field(default_factory=list)  # locked prefix pages
+    cached_tokens: int = 0
+    computed: int = 0  # tokens whose KV is in the pool
+    output_ids: list[int] = field(default_factory=list)
+    choices: list[TokenChoice] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    aborted: bool = False
+    first_token_at: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens this request may ever hold in the KV pool."""
+        return self.prompt_len + self.params.max_new_tokens
+
+    def pages_needed(self, page_size: int) -> int:
+        return -(-self.max_tokens // page_size)

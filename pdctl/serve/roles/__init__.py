@@ -1,0 +1,1 @@
+"""Server roles: colocated (prefill and decode in one server) now; PD roles build on it."""

@@ -1,0 +1,177 @@
+"""What every server rank sets up: identity, logging, threads, TP group, model, KV pool.
+
+Rank 0 of a server spawns the other ranks (same arguments plus `--tp-rank`), so a
+server is one process group that pdctl's launcher owns. Every rank loads the same
+weights (sliced for itself) and an identical KV pool layout; rank 0 then runs the
+role (HTTP API, scheduler) and the others follow its broadcasts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdctl.core import DIST_BACKENDS
+from pdctl.serve import tp as tensor_parallel
+from pdctl.serve.args import ServerArgs
+from pdctl.serve.kv_pool import KVPool
+from pdctl.serve.model import ModelRunner
+from pdctl.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from pdctl.serve.weights import (
+    ModelConfig,
+    RankWeights,
+    build_rank_weights,
+    checkpoint_config,
+    checkpoint_source,
+    preset_config,
+    preset_source,
+)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+log = logging.getLogger("pdctl.serve")
+
+
+@dataclass
+class Rank:
+    args: ServerArgs
+    device: torch.device
+    config: ModelConfig
+    weights: RankWeights
+    kv: KVPool
+    runner: ModelRunner
+    group: tensor_parallel.TPGroup | None
+    tokenizer: Tokenizer
+    children: list[subprocess.Popen[bytes]]
+
+    @property
+    def model_name(self) -> str:
+        return self.args.model_path or f"preset:{self.args.model_preset}"
+
+    @property
+    def max_context(self) -> int:
+        return min(self.config.shape.max_position, self.kv.pool_tokens)
+
+
+def set_identity(args: ServerArgs) -> None:
+    title = f"pdctl:{args.topology_name}:{args.title_role}:tp{args.tp_rank}"
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # the title is a convenience, not a requirement
+        pass
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s [{args.title_role} tp{args.tp_rank}] %(levelname)s %(message)s",
+    )
+
+
+def device_for(args: ServerArgs) -> torch.device:
+    if args.device == "cpu":
+        return torch.device("cpu")
+    return torch.device(args.device, args.tp_rank)  # visibility masks make ranks 0..tp-1
+
+
+def load_model(
+    args: ServerArgs, device: torch.device
+) -> tuple[ModelConfig, RankWeights, Tokenizer]:
+    dtype = DTYPES[args.dtype]
+    if args.model_path:
+        path = Path(args.model_path)
+        config = checkpoint_config(path)
+        weights = build_rank_weights(
+            config, checkpoint_source(path), args.tp, args.tp_rank, dtype, device
+        )
+        tokenizer: Tokenizer = HFTokenizer(path, config.shape.vocab_size)
+    else:
+        config = preset_config(args.model_preset or "tiny")
+        weights = build_rank_weights(
+            config, preset_source(args.seed), args.tp, args.tp_rank, dtype, device
+        )
+        tokenizer = ByteTokenizer(config.shape.vocab_size)
+    return config, weights, tokenizer
+
+
+def start_rank(args: ServerArgs, argv: list[str]) -> Rank:
+    set_identity(args)
+    device = device_for(args)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # batch invariance: see ops.py
+    children: list[subprocess.Popen[bytes]] = []
+    if args.tp > 1 and args.tp_rank == 0:
+        children = tensor_parallel.spawn_ranks(args.tp, argv, dict(os.environ))
+    group = None
+    if args.tp > 1:
+        if args.dist_port is None:
+            raise SystemExit("--dist-port is required when --tp > 1")
+        backend = DIST_BACKENDS.get(device.type, "gloo")
+        group = tensor_parallel.TPGroup(
+            args.tp_rank, args.tp, "127.0.0.1", args.dist_port, backend, 600
+        )
+    config, weights, tokenizer = load_model(args, device)
+    pool = args.kv_pool_tokens or 16384
+    pool -= pool % args.page_size
+    kv = KVPool(
+        config.shape.num_layers,
+        pool,
+        weights.kv_heads,
+        config.shape.head_dim,
+        args.page_size,
+        DTYPES[args.dtype],
+        device,
+    )
+    runner = ModelRunner(
+        weights, kv, device, group.gather if group else None, compute_logits=args.tp_rank == 0
+    )
+    log.info(
+        "model %s ready on %s (tp %d, %d KV tokens)",
+        args.model_path or args.model_preset,
+        device,
+        args.tp,
+        pool,
+    )
+    return Rank(args, device, config, weights, kv, runner, group, tokenizer, children)
+
+
+def rank_forward(rank: Rank):  # type: ignore[no-untyped-def]
+    """The engine's forward: on rank 0 with TP, announce the batch first."""
+    group = rank.group
+    if group is None:
+        return rank.runner.forward
+
+    def forward(pieces):  # type: ignore[no-untyped-def]
+        group.send(tensor_parallel.OP_FORWARD, tensor_parallel.encode_pieces(pieces))
+        return rank.runner.forward(pieces)
+
+    return forward
+
+
+def run_worker(rank: Rank) -> None:
+    assert rank.group is not None
+    try:
+        tensor_parallel.worker_loop(rank.group, rank.runner.forward)
+    finally:
+        rank.group.close()
+
+
+def stop_ranks(rank: Rank) -> None:
+    if rank.group is not None:
+        with contextlib.suppress(RuntimeError):
+            rank.group.send(tensor_parallel.OP_STOP)
+    for child in rank.children:
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+    if rank.group is not None:
+        rank.group.close()

@@ -1,0 +1,88 @@
+"""Request bodies of the HTTP API (SGLang's /generate, OpenAI's /v1/completions).
+
+Unknown sampling keys are errors (a misspelt `max_new_token` must not silently use
+the default); top-level keys SGLang clients and routers add are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_TOP_LOGPROBS = 20
+
+
+class SamplingBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    max_new_tokens: int = Field(128, ge=0, le=1_000_000)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    ignore_eos: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    # accepted for compatibility, without effect here
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = Field(1, ge=1, le=1)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("top_k must be -1 (all tokens) or >= 1")
+        return value
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class GenerateBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingBody = Field(default_factory=SamplingBody)
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    stream: bool = False
+    rid: str | None = Field(None, max_length=200)
+    bootstrap_host: str | None = Field(None, max_length=255)
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    bootstrap_room: int | None = Field(None, ge=0, le=2**63 - 1)
+
+
+class CompletionBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = Field(16, ge=0, le=1_000_000)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    n: int = Field(1, ge=1, le=1)
+    echo: bool = Field(False)
+    user: str | None = None
+    ignore_eos: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+
+def error_body(message: str, param: str | None = None, status: int = 400) -> dict[str, Any]:
+    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

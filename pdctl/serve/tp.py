@@ -1,0 +1,154 @@
+"""Tensor parallelism across processes: the group, the step protocol, the worker loop.
+
+Rank 0 runs the scheduler. Before each forward it broadcasts the batch to the
+other ranks as int64 tensors (never pickled objects), then every rank runs the
+same forward, exchanging row-parallel partials with `gather`. Other operations
+(the KV transfers of the PD roles) register handlers by op code, so one loop
+serves them all.
+
+    header  int64[4]  (op, a, b, c)
+    FORWARD payload   per piece (n, start, want_logits, rows) | tokens | rows
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pdctl.serve.model import Piece
+
+log = logging.getLogger("pdctl.serve")
+OP_FORWARD, OP_STOP = 1, 2
+Handler = Callable[[torch.Tensor], None]
+
+
+class TPGroup:
+    def __init__(
+        self, rank: int, world: int, host: str, port: int, backend: str, timeout_s: float
+    ) -> None:
+        self.rank, self.world = rank, world
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self.handlers: dict[int, Handler] = {}
+
+    def gather(self, partials: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(partials) for _ in range(self.world)]
+        dist.all_gather(parts, partials.contiguous())
+        return torch.cat(parts)
+
+    def send(self, op: int, payload: torch.Tensor | None = None) -> None:
+        """Rank 0: announce an operation and its payload to every rank."""
+        size = 0 if payload is None else payload.numel()
+        dist.broadcast(torch.tensor([op, size, 0, 0], dtype=torch.int64), src=0)
+        if payload is not None:
+            dist.broadcast(payload.to(torch.int64).contiguous(), src=0)
+
+    def receive(self) -> tuple[int, torch.Tensor]:
+        header = torch.empty(4, dtype=torch.int64)
+        dist.broadcast(header, src=0)
+        op, size = int(header[0]), int(header[1])
+        payload = torch.empty(size, dtype=torch.int64)
+        if size:
+            dist.broadcast(payload, src=0)
+        return op, payload
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def encode_pieces(pieces: Sequence[Piece]) -> torch.Tensor:
+    meta = [[p.tokens.numel(), p.start, int(p.want_logits), p.rows.numel()] for p in pieces]
+    parts = [torch.tensor(meta, dtype=torch.int64).reshape(-1)]
+    parts += [p.tokens.to(torch.int64) for p in pieces]
+    parts += [p.rows.to(torch.int64) for p in pieces]
+    return torch.cat([torch.tensor([len(pieces)], dtype=torch.int64), *parts])
+
+
+def decode_pieces(payload: torch.Tensor) -> list[Piece]:
+    count = int(payload[0])
+    meta = payload[1 : 1 + 4 * count].view(count, 4).tolist()
+    offset = 1 + 4 * count
+    tokens = []
+    for row in meta:
+        tokens.append(payload[offset : offset + row[0]])
+        offset += row[0]
+    pieces = []
+    for (_, start, want, rows), piece_tokens in zip(meta, tokens, strict=True):
+        pieces.append(Piece(piece_tokens, start, payload[offset : offset + rows], bool(want)))
+        offset += rows
+    return pieces
+
+
+def worker_loop(group: TPGroup, forward: Callable[[Sequence[Piece]], object]) -> None:
+    """Ranks > 0: run whatever rank 0 announces until it says stop."""
+    while True:
+        op, payload = group.receive()
+        if op == OP_STOP:
+            return
+        if op == OP_FORWARD:
+            forward(decode_pieces(payload))
+        elif op in group.handlers:
+            group.handlers[op](payload)
+        else:
+            raise RuntimeError(f"unknown TP operation {op}")
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def spawn_ranks(world: int, argv: list[str], env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+    """Rank 0 starts ranks 1..world-1 in its own process group; they die with it."""
+    children = []
+    for rank in range(1, world):
+        children.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "pdctl.serve", *argv, "--tp-rank", str(rank)],
+                env=env,
+                preexec_fn=_die_with_parent,
+            )
+        )
+    return children
+
+
+def watch_ranks(
+    children: list[subprocess.Popen[bytes]], on_death: Callable[[str], None]
+) -> threading.Thread:
+    """Fail fast: when a rank exits, report which and how."""
+
+    def watch() -> None:
+        import time
+
+        while True:
+            for rank, child in enumerate(children, start=1):
+                code = child.poll()
+                if code is not None:
+                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                    on_death(f"TP rank {rank} (pid {child.pid}) ended with {how}")
+                    return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, name="pdctl-rank-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def parent_alive(expected_parent: int) -> bool:
+    return os.getppid() == expected_parent

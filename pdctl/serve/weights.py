@@ -1,0 +1,253 @@
+"""Model weights for one tensor-parallel rank: from a seed (presets) or a checkpoint.
+
+Weights are generated or loaded whole, then sliced for the rank, so every rank of
+every TP size sees the same numbers. They are stored ready for `ops.matmul`:
+transposed ([in, out]) with the output width padded to `ops.TILE`, q/k/v and
+gate/up fused, and the row-parallel products (o, down) cut into this rank's share
+of `ops.REDUCTION_CHUNKS` chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdctl.core import MODEL_PRESETS, ModelShape
+from pdctl.serve import ops
+from pdctl.staging.layout import rank_heads
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    shape: ModelShape
+    architecture: str = "llama"  # qwen2: biases on q, k and v
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = False
+    name: str = "tiny"
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(MODEL_PRESETS)}")
+    return ModelConfig(MODEL_PRESETS[name], name=name)
+
+
+def checkpoint_config(path: Path) -> ModelConfig:
+    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    architectures = raw.get("architectures") or []
+    kinds = [SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES]
+    if not kinds:
+        raise ValueError(
+            f"{path}: architecture {architectures} is not one of {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    scaling = raw.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise ValueError(f"{path}: rope_scaling {scaling} is not supported")
+    heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    shape = ModelShape(
+        num_layers=int(raw["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads", heads)),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        intermediate_size=int(raw["intermediate_size"]),
+        vocab_size=int(raw["vocab_size"]),
+        max_position=int(raw.get("max_position_embeddings", 4096)),
+    )
+    return ModelConfig(
+        shape,
+        architecture=kinds[0],
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        name=path.name,
+    )
+
+
+@dataclass
+class LayerWeights:
+    qkv_t: torch.Tensor  # [hidden, padded(q + k + v local widths)]
+    qkv_bias: torch.Tensor | None  # [q + k + v local widths]
+    o_chunks: list[torch.Tensor]  # this rank's [K_chunk, hidden] pieces
+    gate_up_t: torch.Tensor  # [hidden, padded(2 * intermediate local)]
+    down_chunks: list[torch.Tensor]  # [I_chunk, hidden] pieces
+    input_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+
+
+@dataclass
+class RankWeights:
+    config: ModelConfig
+    tp: int
+    rank: int
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head_t: torch.Tensor  # [hidden, padded(vocab)]
+
+    @property
+    def q_heads(self) -> int:
+        return self.config.shape.num_attention_heads // self.tp
+
+    @property
+    def kv_heads(self) -> int:
+        return len(rank_heads(self.config.shape.num_kv_heads, self.tp, self.rank))
+
+
+def check_tp(shape: ModelShape, tp: int) -> None:
+    problem = shape.tp_problem(tp)
+    if problem is None and ops.REDUCTION_CHUNKS % tp:
+        problem = f"{tp} does not divide the engine's {ops.REDUCTION_CHUNKS} reduction chunks"
+    if problem is None and (
+        shape.intermediate_size % ops.REDUCTION_CHUNKS
+        or (shape.num_attention_heads * shape.head_dim) % ops.REDUCTION_CHUNKS
+    ):
+        problem = f"the model's widths do not split into {ops.REDUCTION_CHUNKS} reduction chunks"
+    if problem:
+        raise ValueError(f"TP {tp}: {problem}")
+
+
+def _padded_t(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [in, out padded to TILE], contiguous."""
+    out_width = weight.shape[0]
+    padded = weight.new_zeros((ops.round_up(out_width, ops.TILE), weight.shape[1]))
+    padded[:out_width] = weight
+    return padded.t().contiguous()
+
+
+def _chunks(weight_t: torch.Tensor, tp: int, rank: int) -> list[torch.Tensor]:
+    """[K, N] -> this rank's REDUCTION_CHUNKS // tp row blocks, N padded to TILE."""
+    k = weight_t.shape[0]
+    width = k // ops.REDUCTION_CHUNKS
+    per_rank = ops.REDUCTION_CHUNKS // tp
+    first = rank * per_rank
+    pieces = []
+    for chunk in range(first, first + per_rank):
+        piece = weight_t[chunk * width : (chunk + 1) * width]
+        pieces.append(_padded_t(piece.t().contiguous()))
+    return pieces
+
+
+Source = Callable[[str, tuple[int, ...]], torch.Tensor]
+
+
+def build_rank_weights(
+    config: ModelConfig,
+    source: Source,
+    tp: int,
+    rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> RankWeights:
+    """Assemble one rank's weights; `source(name, shape)` returns a full HF-named tensor."""
+    shape = config.shape
+    check_tp(shape, tp)
+    d = shape.head_dim
+    q_range = rank_heads(shape.num_attention_heads, tp, rank)
+    kv_range = rank_heads(shape.num_kv_heads, tp, rank)
+    inter = shape.intermediate_size // tp
+    hidden = shape.hidden_size
+
+    def get(name: str, dims: tuple[int, ...]) -> torch.Tensor:
+        tensor = source(name, dims)
+        if tuple(tensor.shape) != dims:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {dims}")
+        return tensor.to(torch.float32)
+
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device=device, dtype=dtype).contiguous()
+
+    layers = []
+    for i in range(shape.num_layers):
+        prefix = f"model.layers.{i}."
+        q = get(prefix + "self_attn.q_proj.weight", (shape.num_attention_heads * d, hidden))
+        k = get(prefix + "self_attn.k_proj.weight", (shape.num_kv_heads * d, hidden))
+        v = get(prefix + "self_attn.v_proj.weight", (shape.num_kv_heads * d, hidden))
+        q_rows = slice(q_range.start * d, q_range.stop * d)
+        kv_rows = slice(kv_range.start * d, kv_range.stop * d)
+        qkv = torch.cat([q[q_rows], k[kv_rows], v[kv_rows]])
+        bias = None
+        if config.architecture == "qwen2":
+            qb = get(prefix + "self_attn.q_proj.bias", (shape.num_attention_heads * d,))
+            kb = get(prefix + "self_attn.k_proj.bias", (shape.num_kv_heads * d,))
+            vb = get(prefix + "self_attn.v_proj.bias", (shape.num_kv_heads * d,))
+            bias = place(torch.cat([qb[q_rows], kb[kv_rows], vb[kv_rows]]))
+        o = get(prefix + "self_attn.o_proj.weight", (hidden, shape.num_attention_heads * d))
+        gate = get(prefix + "mlp.gate_proj.weight", (shape.intermediate_size, hidden))
+        up = get(prefix + "mlp.up_proj.weight", (shape.intermediate_size, hidden))
+        down = get(prefix + "mlp.down_proj.weight", (hidden, shape.intermediate_size))
+        rows = slice(rank * inter, (rank + 1) * inter)
+        layers.append(
+            LayerWeights(
+                qkv_t=place(_padded_t(qkv)),
+                qkv_bias=bias,
+                o_chunks=[place(c) for c in _chunks(o.t(), tp, rank)],
+                gate_up_t=place(_padded_t(torch.cat([gate[rows], up[rows]]))),
+                down_chunks=[place(c) for c in _chunks(down.t(), tp, rank)],
+                input_norm=place(get(prefix + "input_layernorm.weight", (hidden,))),
+                post_norm=place(get(prefix + "post_attention_layernorm.weight", (hidden,))),
+            )
+        )
+    embed = get("model.embed_tokens.weight", (shape.vocab_size, hidden))
+    head = embed if config.tie_embeddings else get("lm_head.weight", (shape.vocab_size, hidden))
+    return RankWeights(
+        config=config,
+        tp=tp,
+        rank=rank,
+        embed=place(embed),
+        layers=layers,
+        final_norm=place(get("model.norm.weight", (hidden,))),
+        lm_head_t=place(_padded_t(head)),
+    )
+
+
+def preset_source(seed: int) -> Source:
+    """Deterministic weights: each tensor from its own generator seeded by (seed, name)."""
+
+    def source(name: str, dims: tuple[int, ...]) -> torch.Tensor:
+        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+        generator = torch.Generator().manual_seed(
+            int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+        )
+        if name.endswith("norm.weight"):
+            return 1.0 + 0.1 * torch.randn(dims, generator=generator)
+        if name.endswith(".bias"):
+            return 0.02 * torch.randn(dims, generator=generator)
+        if "embed_tokens" in name:
+            return torch.randn(dims, generator=generator)
+        fan_in = dims[-1]
+        scale = (4.0 if name == "lm_head.weight" else 1.0) / fan_in**0.5
+        return scale * torch.randn(dims, generator=generator)
+
+    return source
+
+
+def checkpoint_source(path: Path) -> Source:
+    """Tensors from *.safetensors files (sharded or not), read lazily by name."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+    where: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                where[key] = file
+
+    def source(name: str, dims: tuple[int, ...]) -> torch.Tensor:
+        if name not in where:
+            raise ValueError(f"{path}: the checkpoint has no tensor {name}")
+        with safe_open(str(where[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    return source

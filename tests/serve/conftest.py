@@ -1,0 +1,108 @@
+"""Real server processes on loopback for the serve tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: object
+
+    def log_tail(self, size: int = 3000) -> str:
+        self.log.seek(0)  # type: ignore[attr-defined]
+        return self.log.read().decode(errors="replace")[-size:]  # type: ignore[attr-defined]
+
+    def info(self) -> dict:
+        return httpx.get(f"{self.url}/get_server_info", timeout=30).json()
+
+    def generate(self, **body: object) -> dict:
+        response = httpx.post(f"{self.url}/generate", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()  # type: ignore[attr-defined]
+
+
+def start_server(*extra: str, tp: int = 1, role: str = "colocated", name: str = "test") -> Server:
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "pdctl.serve",
+        "--role",
+        role,
+        "--port",
+        str(port),
+        "--tp",
+        str(tp),
+        "--topology-name",
+        name,
+    ]
+    if tp > 1:
+        argv += ["--dist-port", str(free_port())]
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by Server.stop)
+    process = subprocess.Popen([*argv, *extra], stdout=log, stderr=log, start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", process, log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = server.log_tail()
+            server.stop()
+            raise RuntimeError(f"server exited with {process.returncode}: {tail}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise TimeoutError("server did not become healthy")
+
+
+@pytest.fixture
+def server_factory() -> Iterator[Callable[..., Server]]:
+    started: list[Server] = []
+
+    def make(*extra: str, **options: object) -> Server:
+        server = start_server(*extra, **options)  # type: ignore[arg-type]
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tp1_server() -> Iterator[Server]:
+    server = start_server("--kv-pool-tokens", "8192", "--chunked-prefill-tokens", "64", name="tp1")
+    yield server
+    server.stop()

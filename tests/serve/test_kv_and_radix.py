@@ -1,0 +1,82 @@
+"""Page accounting and the prefix cache: a state machine that must always balance."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pdctl.serve.kv_pool import PageAllocator
+from pdctl.serve.radix import RadixCache
+
+PAGE = 4
+
+
+def test_page_allocator_refuses_double_free_and_overdraw() -> None:
+    pages = PageAllocator(4)
+    got = pages.allocate(3)
+    assert got == [0, 1, 2] and pages.allocate(2) is None
+    pages.free(got)
+    with pytest.raises(ValueError, match="already free"):
+        pages.free([1])
+
+
+def test_match_insert_and_leftovers() -> None:
+    pages = PageAllocator(16)
+    cache = RadixCache(pages, PAGE)
+    first = pages.allocate(3) or []
+    tokens = list(range(12))
+    assert cache.insert(tokens, first) == []
+    assert [n.page for n in cache.match([*tokens, 99])] == first
+    duplicate = pages.allocate(2) or []
+    assert cache.insert(tokens[:8], duplicate) == duplicate  # already cached: caller frees
+    assert cache.match([0, 1, 2]) == []  # shorter than a page
+
+
+class CacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pages = PageAllocator(24)
+        self.cache = RadixCache(self.pages, PAGE)
+        self.held: list[list[int]] = []  # pages requests own
+        self.locks: list[list] = []
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=PAGE, max_size=4 * PAGE))
+    def run_request(self, tokens: list[int]) -> None:
+        nodes = self.cache.match(tokens)
+        self.cache.lock(nodes)
+        need = len(tokens) // PAGE - len(nodes)
+        if need > self.pages.num_free:
+            self.cache.evict(need - self.pages.num_free)
+        own = self.pages.allocate(need)
+        if own is None:
+            self.cache.unlock(nodes)
+            return
+        all_pages = [n.page for n in nodes] + own
+        leftover = self.cache.insert(tokens, all_pages)
+        self.pages.free([p for p in own if p in leftover])
+        self.locks.append(nodes)
+
+    @precondition(lambda self: self.locks)
+    @rule(pick=st.integers(0, 100))
+    def finish_request(self, pick: int) -> None:
+        self.cache.unlock(self.locks.pop(pick % len(self.locks)))
+
+    @rule(count=st.integers(1, 8))
+    def evict(self, count: int) -> None:
+        self.cache.evict(count)
+
+    @invariant()
+    def pages_balance(self) -> None:
+        assert self.pages.num_free + self.cache.num_cached_pages == self.pages.num_pages
+
+    def teardown(self) -> None:
+        for nodes in self.locks:
+            self.cache.unlock(nodes)
+        self.cache.flush()
+        assert self.pages.num_free == self.pages.num_pages and self.cache.num_cached_pages == 0
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
