@@ -2,23 +2,39 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 from pdctl.serve.args import parse
-from pdctl.serve.runtime import run_worker, start_rank
+from pdctl.serve.runtime import start_rank
+
+ROLES = {
+    "colocated": "pdctl.serve.roles.colocated",
+    "prefill": "pdctl.serve.roles.prefill",
+    "decode": "pdctl.serve.roles.decode",
+}
 
 
 def main(argv: list[str]) -> None:
     args = parse(argv)
-    if args.role != "colocated":
-        raise SystemExit(f"role {args.role!r} is not available in this build yet")
+    if args.role == "router":
+        from pdctl.serve import router
+
+        router.run(args)
+        return
+    if args.role not in ROLES:
+        raise SystemExit(f"role {args.role!r} is not served by this build")
+    role = importlib.import_module(ROLES[args.role])
     rank = start_rank(args, argv)
     if args.tp_rank > 0:
-        run_worker(rank)
-        return
-    from pdctl.serve.roles import colocated
+        if hasattr(role, "run_worker"):
+            role.run_worker(rank)
+        else:
+            from pdctl.serve.runtime import run_worker
 
-    colocated.run(rank)
+            run_worker(rank)
+        return
+    role.run(rank)
 
 
 if __name__ == "__main__":

@@ -19,18 +19,31 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from pdctl.serve.model import Piece
 from pdctl.serve.request import Event, Phase, Request
-from pdctl.serve.sampling import choose, generator_for
+from pdctl.serve.sampling import TokenChoice, choose, generator_for
 from pdctl.serve.scheduler import Scheduler
 from pdctl.serve.tokenizer import Tokenizer
 
 log = logging.getLogger("pdctl.serve")
 Forward = Callable[[Sequence[Piece]], torch.Tensor | None]
+
+
+class PDHooks(Protocol):
+    """What the PD roles plug into the engine (all called on the scheduler thread)."""
+
+    def prefilled(self, request: Request, choice: TokenChoice) -> None:
+        """Prefill: the prompt is computed and its first token chosen; start sending."""
+
+    def admitted(self, request: Request) -> None:
+        """Decode: pages are reserved; start receiving the KV."""
+
+    def aborted(self, request: Request) -> None:
+        """The request was aborted while its KV was moving."""
 
 
 @dataclass
@@ -52,7 +65,9 @@ class Engine:
         tokenizer: Tokenizer,
         *,
         overlap: bool = False,
+        hooks: PDHooks | None = None,
     ) -> None:
+        self.hooks = hooks
         self.scheduler = scheduler
         self.forward = forward
         self.tokenizer = tokenizer
@@ -125,6 +140,8 @@ class Engine:
             self._accept(payload)
         elif kind == "abort":
             self._abort(payload)
+        elif kind == "transferred":
+            self._transferred(*payload)
         elif kind == "call":
             function, future = payload
             try:
@@ -137,15 +154,24 @@ class Engine:
         if problem:
             request.sink(Event(request.rid, error=problem))
             return
+        if request.params.max_new_tokens == 0:  # nothing to generate
+            request.sink(Event(request.rid, finish_reason={"type": "length", "length": 0}))
+            return
         if request.params.temperature > 0:
             request.generator = generator_for(request.params, request.rid)
         self.stats.requests += 1
         self.stats.prompt_tokens += request.prompt_len
         self.scheduler.add(request)
 
+    def transferred(self, rid: str, error: str | None, info: dict[str, Any]) -> None:
+        """A PD transfer finished (any thread): KV arrived on every decode rank, or left prefill."""
+        self._inbox.put(("transferred", (rid, error, info)))
+
     def _abort(self, rid: str) -> None:
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
             if request.rid == rid and request.phase is not Phase.DONE:
+                if request.phase in (Phase.TRANSFER, Phase.SENDING) and self.hooks is not None:
+                    self.hooks.aborted(request)
                 request.aborted = True
                 self._finish(request, {"type": "abort"}, cache=False)
                 if request in self.scheduler.waiting:
@@ -153,9 +179,14 @@ class Engine:
 
     def _step(self) -> None:
         batch = self.scheduler.next_batch()
+        admitted, self.scheduler.admitted_transfers = self.scheduler.admitted_transfers, []
+        for request in admitted:
+            assert self.hooks is not None
+            self.hooks.admitted(request)
         if not batch:
-            if self.scheduler.waiting and not self.scheduler.running:
-                time.sleep(0.005)  # waiting on pages held by the cache or a command
+            if self.scheduler.waiting or self.scheduler.running:
+                self._drain(block=False)  # waiting on pages, or on KV transfers
+                time.sleep(0.002)
             return
         pieces = [piece for _, piece in batch]
         if self._worker is not None:
@@ -172,6 +203,7 @@ class Engine:
     def _commit(self, batch: list[tuple[Request, Piece]], logits: torch.Tensor | None) -> None:
         row = 0
         for request, piece in batch:
+            was_prefill = request.phase is Phase.PREFILL
             request.computed = piece.start + piece.tokens.numel()
             if request.phase is Phase.PREFILL and request.computed == request.prompt_len:
                 request.phase = Phase.DECODE
@@ -185,6 +217,11 @@ class Engine:
                 continue
             top = request.top_logprobs_num if request.return_logprob else 0
             picked = choose(row_logits, request.params, request.generator, top)
+            if was_prefill and request.room is not None and self.hooks is not None:
+                request.phase = Phase.SENDING  # prefill role: the KV goes to decode now
+                request.choices.append(picked)
+                self.hooks.prefilled(request, picked)
+                continue
             self._emit(request, picked)
 
     def _emit(self, request: Request, picked: Any) -> None:
@@ -213,6 +250,27 @@ class Engine:
         if len(request.output_ids) >= params.max_new_tokens:
             return {"type": "length", "length": params.max_new_tokens}
         return None
+
+    def _transferred(self, rid: str, error: str | None, info: dict[str, Any]) -> None:
+        request = next((r for r in self.scheduler.running if r.rid == rid), None)
+        if request is None or request.phase is Phase.DONE:
+            return  # aborted meanwhile
+        request.kv_transfer = info
+        if error is not None:
+            request.phase = Phase.DONE
+            self.scheduler.release(request, cache=False)
+            request.sink(Event(request.rid, error=error))
+            return
+        if request.phase is Phase.SENDING:  # prefill: done once every rank sent
+            picked = request.choices.pop()
+            request.sink(Event(request.rid, token=picked.token, choice=picked))
+            request.output_ids.append(picked.token)
+            self._finish(request, {"type": "kv_sent"})
+            return
+        request.computed = request.prompt_len  # decode: every rank has the prompt's KV
+        request.cached_tokens = int(info.get("cached_tokens", 0))
+        request.phase = Phase.DECODE
+        self._emit(request, info["first"])
 
     def _finish(self, request: Request, reason: dict[str, Any], cache: bool = True) -> None:
         request.phase = Phase.DONE

@@ -44,6 +44,8 @@ class ServerContext:
     info: dict[str, Any]
     extra_info: Callable[[], dict[str, Any]] = field(default=lambda: {})
     ready: bool = True
+    # PD roles: check a request's bootstrap fields and attach them (may raise BadRequest)
+    prepare: Callable[[Request, dict[str, Any]], None] | None = None
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Outcome:
     finish: dict[str, Any] | None = None
     error: str | None = None
     cached_tokens: int = 0
+    kv_transfer: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -92,6 +95,7 @@ class Submission:
         params: SamplingParams,
         rid: str,
         logprobs: int | None,
+        pd: dict[str, Any] | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -105,6 +109,10 @@ class Submission:
             top_logprobs_num=logprobs or 0,
         )
         self.outcome = Outcome(rid, len(ids))
+        if ctx.prepare is not None:
+            ctx.prepare(self.request, pd or {})
+        elif pd and pd.get("bootstrap_room") is not None:
+            pass  # a colocated server accepts and ignores the PD fields
         ctx.engine.submit(self.request)
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, event: Event) -> None:
@@ -128,6 +136,7 @@ class Submission:
                 if event.finish_reason is not None:
                     self.outcome.finish = event.finish_reason
                     self.outcome.cached_tokens = self.request.cached_tokens
+                    self.outcome.kv_transfer = self.request.kv_transfer
                 yield event
                 if event.error is not None or event.finish_reason is not None:
                     return
@@ -154,6 +163,8 @@ def meta_info(ctx: ServerContext, outcome: Outcome, with_logprobs: bool) -> dict
         "finish_reason": outcome.finish,
         "e2e_latency": round(time.monotonic() - outcome.started, 6),
     }
+    if outcome.kv_transfer:
+        meta["kv_transfer"] = {k: v for k, v in outcome.kv_transfer.items() if k != "first"}
     if with_logprobs:
         meta["output_token_logprobs"] = [[c.logprob, c.token, None] for c in outcome.choices]
         meta["output_top_logprobs"] = [
@@ -263,10 +274,15 @@ def create_app(
         ids, batch = prompts_of(body, ctx)
         params = to_params(body.sampling_params)
         logprobs = body.top_logprobs_num if body.return_logprob else None
+        pd = pd_fields(body)
+        if batch and pd:
+            raise BadRequest(
+                "PD requests carry one prompt each (the router splits batches)", "bootstrap_room"
+            )
         if body.stream:
             if batch:
                 raise BadRequest("streaming takes one prompt, not a batch", "stream")
-            submission = Submission(ctx, ids[0], params, body.rid or uuid.uuid4().hex, logprobs)
+            submission = Submission(ctx, ids[0], params, body.rid or uuid.uuid4().hex, logprobs, pd)
             return StreamingResponse(
                 stream_generate(ctx, submission, http, body.return_logprob),
                 media_type="text/event-stream",
@@ -278,6 +294,7 @@ def create_app(
                 params,
                 body.rid if body.rid and not batch else uuid.uuid4().hex,
                 logprobs,
+                pd,
             )
             for prompt in ids
         ]
@@ -315,6 +332,14 @@ async def stream_generate(
         }
         yield sse(chunk)
     yield b"data: [DONE]\n\n"
+
+
+def pd_fields(body: Any) -> dict[str, Any]:
+    """The bootstrap fields a PD router added, if any."""
+    fields = {
+        k: getattr(body, k, None) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+    }
+    return fields if fields["bootstrap_room"] is not None else {}
 
 
 def sse(data: Any) -> bytes:

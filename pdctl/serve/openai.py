@@ -18,6 +18,7 @@ from pdctl.serve.http import (
     ServerContext,
     Submission,
     completion_ids,
+    pd_fields,
     sse,
 )
 from pdctl.serve.sampling import SamplingParams
@@ -59,18 +60,24 @@ def add_completions(app: FastAPI, ctx: ServerContext) -> None:
     async def completions(body: CompletionBody, http: HttpRequest) -> Response:
         ids, batch = completion_ids(body, ctx)
         params = _params(body)
+        pd = pd_fields(body)
+        if batch and pd:
+            raise BadRequest(
+                "PD requests carry one prompt each (the router splits batches)", "bootstrap_room"
+            )
         created = int(time.time())
         cid = f"cmpl-{uuid.uuid4().hex}"
         model = body.model or ctx.model_name
         if body.stream:
             if batch:
                 raise BadRequest("streaming takes one prompt, not a batch", "stream")
-            submission = Submission(ctx, ids[0], params, cid, body.logprobs)
+            submission = Submission(ctx, ids[0], params, cid, body.logprobs, pd)
             return StreamingResponse(
                 _stream(ctx, submission, http, cid, created, model), media_type="text/event-stream"
             )
         submissions = [
-            Submission(ctx, one, params, f"{cid}-{i}", body.logprobs) for i, one in enumerate(ids)
+            Submission(ctx, one, params, f"{cid}-{i}", body.logprobs, pd)
+            for i, one in enumerate(ids)
         ]
         outcomes = await asyncio.gather(*(s.finish(http) for s in submissions))
         choices = [

@@ -17,6 +17,8 @@ from pdctl.serve.sampling import SamplingParams, TokenChoice
 class Phase(Enum):
     WAITING = "waiting"
     PREFILL = "prefill"
+    TRANSFER = "transfer"  # decode: pages reserved, KV arriving from prefill
+    SENDING = "sending"  # prefill: prompt computed, KV leaving for decode
     DECODE = "decode"
     DONE = "done"
 
@@ -53,6 +55,9 @@ class Request:
     generator: torch.Generator | None = None
     aborted: bool = False
     first_token_at: float | None = None
+    room: int | None = None  # PD: the bootstrap room
+    bootstrap: str | None = None  # PD: "host:port" of the prefill bootstrap endpoint
+    kv_transfer: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:

@@ -73,6 +73,7 @@ def set_identity(args: ServerArgs) -> None:
         stream=sys.stderr,
         format=f"%(asctime)s [{args.title_role} tp{args.tp_rank}] %(levelname)s %(message)s",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def device_for(args: ServerArgs) -> torch.device:

@@ -34,6 +34,8 @@ class Scheduler:
         self.kv, self.slots, self.radix, self.budget = kv, slots, radix, budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.receives_kv = False  # decode role: PD requests get their KV from prefill
+        self.admitted_transfers: list[Request] = []  # admitted since the engine last looked
 
     @property
     def page_size(self) -> int:
@@ -54,7 +56,8 @@ class Scheduler:
         return None
 
     def _admit(self, request: Request) -> bool:
-        nodes = self.radix.match(request.input_ids)
+        receiving = request.room is not None and self.receives_kv
+        nodes = [] if receiving else self.radix.match(request.input_ids)
         if len(nodes) * self.page_size >= request.prompt_len:
             nodes = nodes[:-1]  # recompute the last prompt page: its logits are needed
         need = request.pages_needed(self.page_size) - len(nodes)
@@ -76,8 +79,10 @@ class Scheduler:
         all_pages = [n.page for n in nodes] + pages
         rows = self.kv.rows(all_pages, request.max_tokens)
         self.slots.table[slot, : rows.numel()] = rows
-        request.phase = Phase.PREFILL
+        request.phase = Phase.TRANSFER if receiving else Phase.PREFILL
         self.running.append(request)
+        if receiving:
+            self.admitted_transfers.append(request)
         return True
 
     def next_batch(self) -> list[tuple[Request, Piece]]:
@@ -100,6 +105,8 @@ class Scheduler:
             if not self._admit(request):
                 break
             self.waiting.popleft()
+            if request.phase is Phase.TRANSFER:
+                continue  # its KV comes from prefill: no compute until it has arrived
             piece = self._prefill_piece(request, budget)
             budget -= piece.tokens.numel()
             batch.append((request, piece))
@@ -142,3 +149,8 @@ class Scheduler:
         request.pages = []
         self.slots.free(request.slot)
         request.slot = None
+
+    def prompt_pages(self, request: Request) -> list[int]:
+        """Pages holding the request's prompt, in token order."""
+        pages = [n.page for n in request.cached_nodes] + request.pages
+        return pages[: -(-request.prompt_len // self.page_size)]

@@ -74,6 +74,9 @@ class CompletionBody(BaseModel):
     echo: bool = Field(False)
     user: str | None = None
     ignore_eos: bool = False
+    bootstrap_host: str | None = Field(None, max_length=255)
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    bootstrap_room: int | None = Field(None, ge=0, le=2**63 - 1)
 
     @field_validator("echo")
     @classmethod

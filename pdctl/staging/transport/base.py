@@ -350,15 +350,17 @@ class Transport(ABC):
             self._notifications.clear()
         return found
 
-    def wait_notification(self, message: bytes, timeout: float | None = None) -> Notification:
-        """Wait for a notification with exactly this message; others stay queued."""
+    def wait_notification(
+        self, message: bytes, timeout: float | None = None, *, prefix: bool = False
+    ) -> Notification:
+        """Wait for a notification with this message (or starting with it); others stay queued."""
         limit = self.config.transfer_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         while True:
             self._poll()
             with self._notified:
                 for item in self._notifications:
-                    if item.message == message:
+                    if item.message == message or (prefix and item.message.startswith(message)):
                         self._notifications.remove(item)
                         return item
                 remaining = deadline - time.monotonic()

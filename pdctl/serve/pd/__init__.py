@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: bootstrap rendezvous, KV senders and receivers."""

@@ -1,0 +1,227 @@
+"""The prefill-side bootstrap endpoint: where decode ranks register rooms.
+
+`Rooms` is the plain registry (thread-safe, with long-poll waits); `bootstrap_app`
+serves it over HTTP on the bootstrap port. Decode may register before or after the
+prefill request arrives; a room that nobody completes expires after the bootstrap
+timeout, and a registration for an expired or finished room is refused (410), as
+is a second registration of the same rank (409) or one whose KV layout does not
+match this prefill server (400, e.g. a stale server with another page size).
+Every request must carry the per-run secret (`Authorization: Bearer ...`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse
+
+from pdctl.serve.pd.protocol import Registration, SegmentRegion
+
+TOMBSTONE_S = 300.0
+
+
+class BootstrapError(Exception):
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Room:
+    room: int
+    created: float = field(default_factory=time.monotonic)
+    started: bool = False  # the prefill request arrived
+    registrations: dict[int, Registration] = field(default_factory=dict)
+    result: dict[str, Any] | None = None
+    closed: str | None = None  # "finished" or "failed: ..."
+    sent: dict[int, dict[str, Any]] = field(default_factory=dict)  # prefill rank -> report
+
+
+class Rooms:
+    def __init__(self, layout: dict[str, Any], expiry_s: float) -> None:
+        self.layout = layout  # what registrations must match: page_size, num_layers, ...
+        self.expiry_s = expiry_s
+        self._rooms: dict[int, Room] = {}
+        self._changed = threading.Condition()
+        self.on_sent: Callable[[int, dict[str, Any]], None] | None = None  # a prefill rank reported
+
+    def _room(self, room: int) -> Room:
+        self._purge()
+        found = self._rooms.get(room)
+        if found is None:
+            found = self._rooms[room] = Room(room)
+        return found
+
+    def _purge(self) -> None:
+        now = time.monotonic()
+        for key, item in list(self._rooms.items()):
+            limit = TOMBSTONE_S if item.closed else self.expiry_s
+            if now - item.created > limit and (item.closed or not item.started):
+                if item.closed:
+                    del self._rooms[key]
+                else:
+                    item.closed = "expired: no prefill request for this room"
+
+    def start(self, room: int) -> None:
+        """The prefill request for `room` arrived; a second one is refused."""
+        with self._changed:
+            item = self._room(room)
+            if item.started:
+                raise BootstrapError(f"room {room} is already in use", 409)
+            if item.closed:
+                raise BootstrapError(f"room {room} is closed ({item.closed})", 410)
+            item.started = True
+            self._changed.notify_all()
+
+    def register(self, registration: Registration) -> None:
+        mismatch = [
+            f"{key} {getattr(registration, key)} differs from prefill's {value}"
+            for key, value in self.layout.items()
+            if getattr(registration, key) != value
+        ]
+        if mismatch:
+            raise BootstrapError("incompatible decode rank: " + "; ".join(mismatch), 400)
+        with self._changed:
+            item = self._room(registration.room)
+            if item.closed:
+                raise BootstrapError(f"room {registration.room} is closed ({item.closed})", 410)
+            if registration.decode_rank in item.registrations:
+                raise BootstrapError(
+                    f"decode rank {registration.decode_rank} already registered "
+                    f"room {registration.room}",
+                    409,
+                )
+            item.registrations[registration.decode_rank] = registration
+            self._changed.notify_all()
+
+    def add_segments(self, room: int, rank: int, segments: list[SegmentRegion]) -> None:
+        with self._changed:
+            item = self._rooms.get(room)
+            if item is None or item.closed or rank not in item.registrations:
+                raise BootstrapError(
+                    f"room {room} has no open registration for decode rank {rank}", 410
+                )
+            item.registrations[rank].segments.extend(segments)
+            self._changed.notify_all()
+
+    def set_result(self, room: int, result: dict[str, Any]) -> None:
+        with self._changed:
+            self._room(room).result = result
+            self._changed.notify_all()
+
+    def report_sent(self, room: int, rank: int, report: dict[str, Any]) -> None:
+        with self._changed:
+            self._room(room).sent[rank] = report
+            self._changed.notify_all()
+        if self.on_sent is not None:
+            self.on_sent(room, report)
+
+    def close(self, room: int, how: str) -> None:
+        with self._changed:
+            item = self._room(room)
+            item.closed = how
+            item.created = time.monotonic()
+            self._changed.notify_all()
+
+    def wait(self, room: int, ready: Callable[[Room], bool], timeout: float) -> Room | None:
+        """The room once `ready(room)` holds (or it closed), None on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                item = self._room(room)
+                if ready(item) or item.closed:
+                    return item
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._changed.wait(min(remaining, 0.5))
+
+    def snapshot(self, room: int) -> dict[str, Any]:
+        with self._changed:
+            item = self._room(room)
+            return {
+                "room": room,
+                "started": item.started,
+                "closed": item.closed,
+                "result": item.result,
+                "registrations": {str(k): v.to_json() for k, v in item.registrations.items()},
+            }
+
+    def open_rooms(self) -> int:
+        with self._changed:
+            self._purge()
+            return sum(1 for item in self._rooms.values() if not item.closed)
+
+
+def bootstrap_app(rooms: Rooms, secret: bytes, info: dict[str, Any]) -> FastAPI:
+    app = FastAPI(title="pdctl bootstrap", docs_url=None, redoc_url=None)
+
+    @app.middleware("http")
+    async def authenticate(request: HttpRequest, call_next: Callable[[HttpRequest], Any]) -> Any:
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
+        if not hmac.compare_digest(given, secret):
+            return JSONResponse({"error": "missing or wrong per-run secret"}, status_code=401)
+        if int(request.headers.get("content-length") or 0) > 4 << 20:
+            return JSONResponse({"error": "message too large"}, status_code=413)
+        return await call_next(request)
+
+    @app.exception_handler(BootstrapError)
+    async def refused(_: HttpRequest, exc: BootstrapError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=exc.status)
+
+    @app.get("/bootstrap/info")
+    async def get_info() -> dict[str, Any]:
+        return info
+
+    @app.post("/bootstrap/register")
+    async def register(request: HttpRequest) -> dict[str, Any]:
+        try:
+            registration = Registration.from_json(await request.json())
+        except (ValueError, TypeError, KeyError) as exc:
+            raise BootstrapError(f"malformed registration: {exc}", 400) from None
+        rooms.register(registration)
+        return {"ok": True}
+
+    @app.post("/bootstrap/segments")
+    async def segments(request: HttpRequest) -> dict[str, Any]:
+        try:
+            body = await request.json()
+            regions = [
+                SegmentRegion(**{**s, "watermark": tuple(s["watermark"])}) for s in body["segments"]
+            ]
+            room, rank = int(body["room"]), int(body["decode_rank"])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise BootstrapError(f"malformed segments: {exc}", 400) from None
+        rooms.add_segments(room, rank, regions)
+        return {"ok": True}
+
+    @app.get("/bootstrap/room/{room}")
+    async def room_state(room: int, wait: float = 0.0, ranks: int = 0) -> dict[str, Any]:
+        def ready(item: Any) -> bool:
+            return len(item.registrations) >= ranks
+
+        await asyncio.to_thread(rooms.wait, room, ready, min(wait, 30.0))
+        return rooms.snapshot(room)
+
+    @app.get("/bootstrap/result/{room}")
+    async def result(room: int, wait: float = 0.0) -> dict[str, Any]:
+        await asyncio.to_thread(
+            rooms.wait, room, lambda item: item.result is not None, min(wait, 30.0)
+        )
+        return rooms.snapshot(room)
+
+    @app.post("/internal/sent")
+    async def sent(request: HttpRequest) -> dict[str, Any]:
+        body = await request.json()
+        rooms.report_sent(int(body["room"]), int(body["rank"]), body)
+        return {"ok": True}
+
+    return app

@@ -1,0 +1,264 @@
+"""Prefill side, per TP rank: send a room's KV to every decode rank that needs it.
+
+For each decode rank this prefill rank writes to (its head slice, `writers_of`):
+staging: for every segment, wait until decode offers a ring region (its watermark
+must show the region free), gather the head slice of the segment's pages into the
+staging buffer, write it at this writer's block offset, notify with the digests.
+direct (equal TP, or staging disabled): write the pages (or, with TP differing,
+each token's head slice) straight into decode's KV pages, then notify. Failures
+are reported with the decode rank they concern; sends run on one worker thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from pdctl.serve.kv_pool import KVPool
+from pdctl.serve.pd import protocol as proto
+from pdctl.serve.pd.client import PeerCallError
+from pdctl.staging import device as dev
+from pdctl.staging.buffer import init_staging_buffers
+from pdctl.staging.descriptors import page_descriptors, tensor_ptr
+from pdctl.staging.digest import block_digests
+from pdctl.staging.kernels import gather_all_layers_to_staging
+from pdctl.staging.layout import HeadSlice, StagingLayout, head_slices, plan_segments
+from pdctl.staging.transport import Peer, Transport, TransportError
+
+log = logging.getLogger("pdctl.serve")
+Snapshot = Callable[[int, float, int], dict[str, Any]]  # (room, wait seconds, ranks) -> room state
+Report = Callable[[int, dict[str, Any]], None]
+
+
+class SendFailed(RuntimeError):
+    pass
+
+
+class KVSender:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        tp: int,
+        num_kv_heads: int,
+        kv: KVPool,
+        transport: Transport,
+        snapshot: Snapshot,
+        report: Report,
+        segment_bytes: int,
+        bootstrap_timeout: float,
+        transfer_timeout: float,
+    ) -> None:
+        self.rank, self.tp, self.heads, self.kv = rank, tp, num_kv_heads, kv
+        self.transport, self.snapshot, self.report = transport, snapshot, report
+        self.bootstrap_timeout, self.transfer_timeout = bootstrap_timeout, transfer_timeout
+        self.segment_bytes = segment_bytes
+        device = kv.kv.device
+        (self.buffer,) = init_staging_buffers(
+            segment_bytes, device_type=device.type, gpu_id=device.index
+        )
+        transport.register_tensor(self.buffer.tensor)
+        transport.register_tensor(kv.kv)  # direct page writes read the pool itself
+        self.peers: dict[str, Peer] = {}
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdctl-send-{rank}")
+
+    def send(self, room: int, pages: list[int], num_tokens: int, ready: Any) -> None:
+        """Start sending `room` (pages hold the prompt's KV once `ready` completes)."""
+        self.executor.submit(self._run, room, pages, num_tokens, ready)
+
+    def _run(self, room: int, pages: list[int], num_tokens: int, ready: Any) -> None:
+        started = time.monotonic()
+        try:
+            dev.stream_wait_event(dev.current_device_stream(self.kv.kv.device), ready)
+            stats = self._send(room, pages, num_tokens)
+            stats["transfer_ms"] = round((time.monotonic() - started) * 1e3, 3)
+            self.report(room, {"rank": self.rank, "ok": True, **stats})
+        except (SendFailed, TransportError, PeerCallError) as exc:
+            log.warning("room %s: %s", room, exc)
+            self.report(room, {"rank": self.rank, "ok": False, "error": str(exc)})
+        except Exception as exc:  # a bug must still fail the room, not hang it
+            log.exception("room %s: send failed", room)
+            self.report(
+                room, {"rank": self.rank, "ok": False, "error": f"prefill rank {self.rank}: {exc}"}
+            )
+
+    def _registrations(self, room: int) -> dict[int, proto.Registration]:
+        deadline = time.monotonic() + self.bootstrap_timeout
+        wanted = 1
+        while True:
+            state = self.snapshot(room, max(0.0, min(5.0, deadline - time.monotonic())), wanted)
+            if state.get("closed"):
+                raise SendFailed(f"room {room} closed before sending: {state['closed']}")
+            regs = {
+                int(k): proto.Registration.from_json(v) for k, v in state["registrations"].items()
+            }
+            if regs:
+                wanted = next(iter(regs.values())).decode_tp
+                if len(regs) >= wanted:
+                    return regs
+            if time.monotonic() >= deadline:
+                missing = sorted(set(range(wanted)) - set(regs)) if regs else "every decode rank"
+                raise SendFailed(
+                    f"decode rank(s) {missing} never registered room {room} within "
+                    f"{self.bootstrap_timeout:g} s"
+                )
+
+    def _peer(self, registration: proto.Registration) -> Peer:
+        if registration.transport not in self.peers:
+            self.peers[registration.transport] = self.transport.connect(
+                base64.b64decode(registration.transport)
+            )
+        return self.peers[registration.transport]
+
+    def _send(self, room: int, pages: list[int], num_tokens: int) -> dict[str, Any]:
+        registrations = self._registrations(room)
+        total, segments = 0, 0
+        decode_tp = next(iter(registrations.values())).decode_tp
+        for decode_rank in range(decode_tp):
+            slices = head_slices(self.heads, self.tp, decode_tp, decode_rank)
+            mine = [i for i, s in enumerate(slices) if s.prefill_rank == self.rank]
+            if not mine:
+                continue
+            registration = registrations[decode_rank]
+            layout = StagingLayout(
+                len(self.kv.k_buffers), registration.head_dim, registration.elem_bytes, slices
+            )
+            if registration.mode == "staging":
+                sent, count = self._staged(room, pages, registration, layout, mine[0])
+            else:
+                sent, count = self._direct(room, pages, num_tokens, registration, layout, mine[0])
+            total, segments = total + sent, segments + count
+        return {"bytes": total, "segments": segments}
+
+    def _plan(self, pages: list[int], layout: StagingLayout) -> Any:
+        return plan_segments(
+            len(pages), self.kv.page_size, layout.bytes_per_token(), self.segment_bytes
+        )
+
+    def _gather(self, pages: list[int], piece: HeadSlice) -> tuple[int, list[int]]:
+        nbytes = gather_all_layers_to_staging(
+            self.kv.k_buffers, self.kv.v_buffers, pages, self.buffer.tensor,
+            src_head_start=piece.src_head_start, num_heads=piece.num_heads,
+            page_size=self.kv.page_size,
+        )  # fmt: skip
+        digests = block_digests(self.buffer.view(0, nbytes), len(self.kv.k_buffers))
+        dev.synchronize_stream(self.buffer.producer_stream())  # the transport reads next
+        return nbytes, digests
+
+    def _staged(
+        self,
+        room: int,
+        pages: list[int],
+        reg: proto.Registration,
+        layout: StagingLayout,
+        writer: int,
+    ) -> tuple[int, int]:
+        piece = layout.slices[writer]
+        peer = self._peer(reg)
+        sent = 0
+        plan = self._plan(pages, layout)
+        for segment in plan:
+            region = self._region(room, reg.decode_rank, segment.index)
+            if not region.writable():
+                raise SendFailed(
+                    f"decode rank {reg.decode_rank} offered a region its watermark has not freed"
+                )
+            chunk = pages[segment.page_start : segment.page_start + segment.num_pages]
+            nbytes, digests = self._gather(chunk, piece)
+            destination = region.address + layout.block_offset(
+                writer, segment.num_tokens(self.kv.page_size)
+            )
+            message = proto.notify_message(room, segment.index, self.rank, digests, nbytes)
+            self.transport.write(peer, [self.buffer.ptr], [destination], [nbytes], notify=message)
+            sent += nbytes
+        return sent, len(plan)
+
+    def _region(self, room: int, decode_rank: int, index: int) -> proto.SegmentRegion:
+        deadline = time.monotonic() + self.transfer_timeout
+        while True:
+            state = self.snapshot(room, 0.0, 0)
+            if state.get("closed"):
+                raise SendFailed(f"room {room} closed while sending: {state['closed']}")
+            registration = proto.Registration.from_json(state["registrations"][str(decode_rank)])
+            for region in registration.segments:
+                if region.index == index:
+                    return region
+            if time.monotonic() >= deadline:
+                raise SendFailed(
+                    f"decode rank {decode_rank} offered no ring region for segment {index} of room "
+                    f"{room} within {self.transfer_timeout:g} s"
+                )
+            time.sleep(0.002)
+
+    def _direct(
+        self,
+        room: int,
+        pages: list[int],
+        num_tokens: int,
+        reg: proto.Registration,
+        layout: StagingLayout,
+        writer: int,
+    ) -> tuple[int, int]:
+        piece = layout.slices[writer]
+        peer = self._peer(reg)
+        elem = reg.elem_bytes
+        src_heads = self.kv.k_buffers[0].shape[1]
+        if src_heads == piece.num_heads and reg.kv_heads == piece.num_heads:
+            page_bytes = self.kv.page_size * src_heads * reg.head_dim * elem
+            src_bases = [
+                tensor_ptr(b)
+                for pair in zip(self.kv.k_buffers, self.kv.v_buffers, strict=True)
+                for b in pair
+            ]
+            dst_bases = [address for pair in reg.kv_bases for address in pair]
+            src, dst, lengths = page_descriptors(
+                src_bases, dst_bases, np.array(pages), np.array(reg.pages), page_bytes
+            )
+        else:
+            src, dst, lengths = self._token_descriptors(pages, reg, piece, num_tokens)
+        digests = []
+        for segment in self._plan(pages, layout):
+            chunk = pages[segment.page_start : segment.page_start + segment.num_pages]
+            digests.append(self._gather(chunk, piece)[1])
+        message = proto.notify_message(
+            room,
+            proto.DIRECT_SEGMENT,
+            self.rank,
+            [d for part in digests for d in part],
+            int(lengths.sum()),
+        )
+        self.transport.write(peer, src, dst, lengths, notify=message)
+        return int(lengths.sum()), 0
+
+    def _token_descriptors(
+        self, pages: list[int], reg: proto.Registration, piece: HeadSlice, num_tokens: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Staging disabled and TPs differ: one write per layer, K/V and token row."""
+        elem, dim = reg.elem_bytes, reg.head_dim
+        ps = self.kv.page_size
+        src_rows = np.array([p * ps + i for p in pages for i in range(ps)], dtype=np.uint64)
+        dst_rows = np.array([p * ps + i for p in reg.pages for i in range(ps)], dtype=np.uint64)
+        src_row_bytes = self.kv.k_buffers[0].shape[1] * dim * elem
+        dst_row_bytes = reg.kv_heads * dim * elem
+        chunk = piece.num_heads * dim * elem
+        src_all, dst_all = [], []
+        buffers = [
+            b for pair in zip(self.kv.k_buffers, self.kv.v_buffers, strict=True) for b in pair
+        ]
+        for src_buffer, dst_base in zip(
+            buffers, [a for pair in reg.kv_bases for a in pair], strict=True
+        ):
+            base = np.uint64(tensor_ptr(src_buffer) + piece.src_head_start * dim * elem)
+            src_all.append(base + src_rows * np.uint64(src_row_bytes))
+            dst_all.append(
+                np.uint64(dst_base + piece.dst_head_start * dim * elem)
+                + dst_rows * np.uint64(dst_row_bytes)
+            )
+        src = np.concatenate(src_all)
+        return src, np.concatenate(dst_all), np.full(src.shape, chunk, dtype=np.uint64)

@@ -1,0 +1,96 @@
+"""What every role shares: the engine it builds, its info, and serving HTTP until told to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from pdctl.serve import tp as tensor_parallel
+from pdctl.serve.engine import Engine, PDHooks
+from pdctl.serve.http import ServerContext
+from pdctl.serve.kv_pool import ReqToToken
+from pdctl.serve.radix import RadixCache
+from pdctl.serve.runtime import Rank, rank_forward, stop_ranks
+from pdctl.serve.scheduler import Budget, Scheduler
+
+log = logging.getLogger("pdctl.serve")
+
+
+def build_engine(rank: Rank, *, prefix_cache: bool = True, hooks: PDHooks | None = None) -> Engine:
+    args = rank.args
+    scheduler = Scheduler(
+        rank.kv,
+        ReqToToken(max(args.max_running_requests * 2, 8), rank.max_context),
+        RadixCache(rank.kv.pages, args.page_size, enabled=prefix_cache),
+        Budget(args.max_running_requests, args.chunked_prefill_tokens),
+    )
+    return Engine(scheduler, rank_forward(rank), rank.tokenizer, overlap=args.overlap, hooks=hooks)
+
+
+def server_info(rank: Rank) -> dict[str, Any]:
+    args = rank.args
+    return {
+        "role": args.role,
+        "topology": args.topology_name,
+        "replica": args.replica,
+        "tp": args.tp,
+        "device": str(rank.device),
+        "dtype": args.dtype,
+        "model": rank.model_name,
+        "page_size": args.page_size,
+        "max_running_requests": args.max_running_requests,
+        "chunked_prefill_tokens": args.chunked_prefill_tokens,
+        "overlap": args.overlap,
+        "pid": os.getpid(),
+    }
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # signals are handled once for all servers
+        yield
+
+
+def run_servers(apps: list[tuple[FastAPI, str, int]]) -> None:
+    """Serve every app until SIGTERM or SIGINT, in one event loop."""
+    servers = [
+        _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+        for app, host, port in apps
+    ]
+
+    def stop(*_: object) -> None:
+        for server in servers:
+            server.should_exit = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+    async def main() -> None:
+        await asyncio.gather(*(server.serve() for server in servers))
+
+    asyncio.run(main())
+
+
+def serve(rank: Rank, context: ServerContext, apps: list[tuple[FastAPI, str, int]]) -> None:
+    """Run the role's HTTP servers, then stop the engine and the other ranks."""
+    if rank.children:
+
+        def died(message: str) -> None:
+            log.error("%s; this server cannot compute any more and exits", message)
+            context.engine.failed = message
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        tensor_parallel.watch_ranks(rank.children, died)
+    try:
+        run_servers(apps)
+    finally:
+        context.engine.stop()
+        stop_ranks(rank)

@@ -1,0 +1,236 @@
+"""The decode role: reserve pages, receive the prompt's KV from prefill, then generate.
+
+Each PD request is admitted with every page it can need (its req_to_token row
+written), then every rank records the room's ordering event and receives its KV
+(`KVReceiver`). When all ranks report, rank 0 fetches the first token prefill
+chose, and the request joins the decode batch. The response carries
+`meta_info.kv_transfer` {bytes, segments, staging, transport, digest_ok, transfer_ms}.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse
+
+from pdctl.serve import tp as tensor_parallel
+from pdctl.serve.engine import Engine
+from pdctl.serve.http import BadRequest, ServerContext, create_app
+from pdctl.serve.pd import protocol as proto
+from pdctl.serve.pd.client import Client, PeerCallError, run_secret
+from pdctl.serve.pd.endpoint import endpoint_name, make_transport
+from pdctl.serve.pd.receiver import KVReceiver
+from pdctl.serve.request import Request
+from pdctl.serve.roles.common import build_engine, serve, server_info
+from pdctl.serve.runtime import Rank
+from pdctl.serve.sampling import TokenChoice
+from pdctl.staging import device as dev
+
+log = logging.getLogger("pdctl.serve")
+OP_RECEIVE, OP_ABORT = 20, 21
+
+
+def make_receiver(rank: Rank, report: Any) -> KVReceiver:
+    args = rank.args
+    return KVReceiver(
+        rank=args.tp_rank,
+        tp=args.tp,
+        name=endpoint_name(args),
+        kv=rank.kv,
+        transport=make_transport(args),
+        report=report,
+        staging=args.staging,
+        pool_bytes=int(args.staging_pool_mb * (1 << 20)),
+        segment_bytes=int(args.staging_segment_mb * (1 << 20)),
+        bootstrap_timeout=args.bootstrap_timeout,
+        transfer_timeout=args.transfer_timeout,
+    )
+
+
+class DecodeHooks:
+    def __init__(self, rank: Rank) -> None:
+        self.rank = rank
+        self.engine: Engine | None = None
+        self.pending: dict[int, dict[str, Any]] = {}  # room -> {rid, bootstrap, reports}
+        self.lock = threading.Lock()
+        self.finisher = ThreadPoolExecutor(2, thread_name_prefix="pdctl-decode-result")
+        self.receiver = make_receiver(rank, self.report)
+
+    def prepare(self, request: Request, pd: dict[str, Any]) -> None:
+        room, host, port = (
+            pd.get("bootstrap_room"),
+            pd.get("bootstrap_host"),
+            pd.get("bootstrap_port"),
+        )
+        if room is None or host is None or port is None:
+            raise BadRequest(
+                "a decode server serves PD requests only: bootstrap_host, bootstrap_port and "
+                "bootstrap_room are required",
+                "bootstrap_room",
+            )
+        request.room = int(room)
+        request.bootstrap = f"{host}:{port}"
+
+    def admitted(self, request: Request) -> None:
+        assert (
+            request.room is not None and request.bootstrap is not None and self.engine is not None
+        )
+        pages = self.engine.scheduler.prompt_pages(request)
+        with self.lock:
+            self.pending[request.room] = {
+                "rid": request.rid,
+                "bootstrap": request.bootstrap,
+                "reports": {},
+            }
+        message = {
+            "room": request.room,
+            "pages": pages,
+            "num_tokens": request.prompt_len,
+            "bootstrap": request.bootstrap,
+        }
+        if self.rank.group is not None:
+            self.rank.group.send(OP_RECEIVE, proto.json_tensor(message))
+        ready = dev.create_device_event(self.rank.device)  # right after the req_to_token row
+        ready.record(dev.current_device_stream(self.rank.device))
+        self.receiver.receive(request.room, pages, request.prompt_len, request.bootstrap, ready)
+
+    def prefilled(self, request: Request, choice: TokenChoice) -> None:  # prefill only
+        raise AssertionError("decode servers do not prefill PD requests")
+
+    def aborted(self, request: Request) -> None:
+        if request.room is None:
+            return
+        self.receiver.abort(request.room)
+        if self.rank.group is not None:
+            self.rank.group.send(OP_ABORT, proto.json_tensor({"room": request.room}))
+
+    def report(self, room: int, report: dict[str, Any]) -> None:
+        """A rank finished receiving `room` (this rank, or another through /internal/kv_ready)."""
+        with self.lock:
+            entry = self.pending.get(room)
+            if entry is None:
+                return
+            entry["reports"][int(report["rank"])] = report
+            if len(entry["reports"]) < self.rank.args.tp:
+                return
+            del self.pending[room]
+        self.finisher.submit(self._finish, room, entry)
+
+    def _finish(self, room: int, entry: dict[str, Any]) -> None:
+        assert self.engine is not None
+        reports = list(entry["reports"].values())
+        errors = [r["error"] for r in reports if not r.get("ok")]
+        info: dict[str, Any] = {
+            "bytes": sum(int(r.get("bytes", 0)) for r in reports),
+            "segments": max(int(r.get("segments", 0)) for r in reports),
+            "staging": any(r.get("staging") for r in reports),
+            "transport": self.rank.args.transfer_backend,
+            "digest_ok": not errors,
+            "transfer_ms": max(float(r.get("transfer_ms", 0)) for r in reports),
+        }
+        if errors:
+            self.engine.transferred(entry["rid"], f"decode: {errors[0]}", info)
+            return
+        try:
+            client = self.receiver.client(entry["bootstrap"])
+            state = client.call(
+                "GET", f"/bootstrap/result/{room}", params={"wait": self.rank.args.transfer_timeout}
+            )
+            result = state.get("result")
+            if result is None:
+                raise PeerCallError(
+                    f"prefill {entry['bootstrap']} has no first token for room {room}"
+                )
+        except PeerCallError as exc:
+            self.engine.transferred(entry["rid"], f"decode: {exc}", info)
+            return
+        info["first"] = TokenChoice(
+            int(result["token"]), float(result["logprob"]), [tuple(x) for x in result["top"]]
+        )
+        info["cached_tokens"] = int(result.get("cached_tokens", 0))
+        self.engine.transferred(entry["rid"], None, info)
+
+
+def internal_routes(hooks: DecodeHooks) -> Any:
+    secret = run_secret()
+
+    def setup(app: FastAPI, _: ServerContext) -> None:
+        @app.post("/internal/kv_ready")
+        async def kv_ready(request: HttpRequest) -> JSONResponse:
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
+            if not hmac.compare_digest(given, secret):
+                return JSONResponse({"error": "missing or wrong per-run secret"}, status_code=401)
+            body = await request.json()
+            hooks.report(int(body["room"]), body)
+            return JSONResponse({"ok": True})
+
+    return setup
+
+
+def run(rank: Rank) -> None:
+    args = rank.args
+    hooks = DecodeHooks(rank)
+    engine = build_engine(rank, prefix_cache=False, hooks=hooks)
+    engine.scheduler.receives_kv = True
+    hooks.engine = engine
+    engine.start()
+    context = ServerContext(
+        engine=engine,
+        model_name=rank.model_name,
+        vocab_size=rank.config.shape.vocab_size,
+        max_context=rank.max_context,
+        info=server_info(rank),
+        extra_info=lambda: {"staging_ring": ring_state(hooks.receiver)},
+        prepare=hooks.prepare,
+    )
+    serve(rank, context, [(create_app(context, internal_routes(hooks)), args.host, args.port)])
+
+
+def ring_state(receiver: KVReceiver) -> dict[str, Any]:
+    allocator = receiver.ring.allocator
+    watermark = allocator.watermark
+    return {
+        "capacity": allocator.capacity,
+        "live_regions": allocator.num_live,
+        "empty": allocator.is_empty,
+        "watermark": [watermark.round, watermark.tail],
+    }
+
+
+def run_worker(rank: Rank) -> None:
+    """Ranks > 0: receive when rank 0 says so; report to rank 0's API."""
+    client = Client(f"http://127.0.0.1:{rank.args.port}", "decode rank 0", 30.0)
+
+    def report(room: int, body: dict[str, Any]) -> None:
+        client.call("POST", "/internal/kv_ready", json={"room": room, **body})
+
+    receiver = make_receiver(rank, report)
+    assert rank.group is not None
+
+    def on_receive(payload: Any) -> None:
+        message = proto.tensor_json(payload)
+        ready = dev.create_device_event(rank.device)
+        ready.record(dev.current_device_stream(rank.device))
+        receiver.receive(
+            int(message["room"]),
+            list(message["pages"]),
+            int(message["num_tokens"]),
+            str(message["bootstrap"]),
+            ready,
+        )
+
+    def on_abort(payload: Any) -> None:
+        receiver.abort(int(proto.tensor_json(payload)["room"]))
+
+    rank.group.handlers[OP_RECEIVE] = on_receive
+    rank.group.handlers[OP_ABORT] = on_abort
+    try:
+        tensor_parallel.worker_loop(rank.group, rank.runner.forward)
+    finally:
+        rank.group.close()

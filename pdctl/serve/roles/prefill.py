@@ -1,0 +1,196 @@
+"""The prefill role: compute prompts, send their KV to decode, host the bootstrap endpoint.
+
+Requests must carry `bootstrap_room` (a PD router adds it). After the prompt is
+computed (a prefix-cache hit computes only the suffix; the whole KV is still
+sent), rank 0 publishes the first token for decode, tells every rank to send, and
+answers once every rank has reported; the room's pages stay locked until then.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from pdctl.serve import tp as tensor_parallel
+from pdctl.serve.args import ServerArgs
+from pdctl.serve.engine import Engine
+from pdctl.serve.http import BadRequest, ServerContext, create_app
+from pdctl.serve.pd import protocol as proto
+from pdctl.serve.pd.bootstrap import BootstrapError, Rooms, bootstrap_app
+from pdctl.serve.pd.client import Client, run_secret
+from pdctl.serve.pd.endpoint import make_transport
+from pdctl.serve.pd.sender import KVSender
+from pdctl.serve.request import Request
+from pdctl.serve.roles.common import build_engine, serve, server_info
+from pdctl.serve.runtime import Rank
+from pdctl.serve.sampling import TokenChoice
+from pdctl.staging import device as dev
+
+log = logging.getLogger("pdctl.serve")
+OP_SEND = 10
+
+
+def make_sender(rank: Rank, snapshot: Any, report: Any) -> KVSender:
+    args = rank.args
+    return KVSender(
+        rank=args.tp_rank,
+        tp=args.tp,
+        num_kv_heads=rank.config.shape.num_kv_heads,
+        kv=rank.kv,
+        transport=make_transport(args),
+        snapshot=snapshot,
+        report=report,
+        segment_bytes=int(args.staging_segment_mb * (1 << 20)),
+        bootstrap_timeout=args.bootstrap_timeout,
+        transfer_timeout=args.transfer_timeout,
+    )
+
+
+def layout_of(rank: Rank) -> dict[str, Any]:
+    """What every decode rank's registration must agree with."""
+    return {
+        "page_size": rank.args.page_size,
+        "num_layers": rank.config.shape.num_layers,
+        "head_dim": rank.config.shape.head_dim,
+        "elem_bytes": rank.kv.kv.element_size(),
+    }
+
+
+class PrefillHooks:
+    def __init__(self, rank: Rank, rooms: Rooms) -> None:
+        self.rank, self.rooms = rank, rooms
+        self.engine: Engine | None = None
+        self.pending: dict[int, dict[str, Any]] = {}  # room -> {rid, reports}
+        self.lock = threading.Lock()
+        self.sender = make_sender(rank, self._snapshot, self.report)
+
+    def _snapshot(self, room: int, wait: float, ranks: int) -> dict[str, Any]:
+        self.rooms.wait(room, lambda item: len(item.registrations) >= ranks, wait)
+        return self.rooms.snapshot(room)
+
+    def prepare(self, request: Request, pd: dict[str, Any]) -> None:
+        room = pd.get("bootstrap_room")
+        if room is None:
+            raise BadRequest(
+                "a prefill server serves PD requests only: bootstrap_room is missing",
+                "bootstrap_room",
+            )
+        try:
+            self.rooms.start(int(room))
+        except BootstrapError as exc:
+            raise BadRequest(str(exc), "bootstrap_room", status=exc.status) from None
+        request.room = int(room)
+
+    def prefilled(self, request: Request, choice: TokenChoice) -> None:
+        assert request.room is not None and self.engine is not None
+        room = request.room
+        self.rooms.set_result(
+            room,
+            {
+                "token": choice.token,
+                "logprob": choice.logprob,
+                "top": choice.top,
+                "cached_tokens": request.cached_tokens,
+            },
+        )
+        pages = self.engine.scheduler.prompt_pages(request)
+        with self.lock:
+            self.pending[room] = {"rid": request.rid, "reports": {}}
+        message = {"room": room, "pages": pages, "num_tokens": request.prompt_len}
+        if self.rank.group is not None:
+            self.rank.group.send(OP_SEND, proto.json_tensor(message))
+        ready = dev.create_device_event(self.rank.device)
+        ready.record(dev.current_device_stream(self.rank.device))
+        self.sender.send(room, pages, request.prompt_len, ready)
+
+    def admitted(self, request: Request) -> None:  # decode only
+        raise AssertionError("prefill servers do not receive KV")
+
+    def aborted(self, request: Request) -> None:
+        if request.room is not None:
+            self.rooms.close(request.room, "failed: the prefill request was aborted")
+
+    def report(self, room: int, report: dict[str, Any]) -> None:
+        """A rank finished sending `room` (this rank, or another through /internal/sent)."""
+        with self.lock:
+            entry = self.pending.get(room)
+            if entry is None:
+                return
+            entry["reports"][int(report["rank"])] = report
+            if len(entry["reports"]) < self.rank.args.tp:
+                return
+            del self.pending[room]
+        reports = list(entry["reports"].values())
+        errors = [r["error"] for r in reports if not r.get("ok")]
+        info = {
+            "bytes": sum(int(r.get("bytes", 0)) for r in reports),
+            "segments": max(int(r.get("segments", 0)) for r in reports),
+            "transfer_ms": max(float(r.get("transfer_ms", 0)) for r in reports),
+            "transport": self.rank.args.transfer_backend,
+        }
+        self.rooms.close(room, "finished" if not errors else f"failed: {errors[0]}")
+        assert self.engine is not None
+        self.engine.transferred(entry["rid"], f"prefill: {errors[0]}" if errors else None, info)
+
+
+def run(rank: Rank) -> None:
+    args = rank.args
+    if args.bootstrap_port is None:
+        raise SystemExit("--bootstrap-port is required for the prefill role")
+    rooms = Rooms(layout_of(rank), args.bootstrap_timeout)
+    hooks = PrefillHooks(rank, rooms)
+    rooms.on_sent = hooks.report
+    engine = build_engine(rank, hooks=hooks)
+    hooks.engine = engine
+    engine.start()
+    context = ServerContext(
+        engine=engine,
+        model_name=rank.model_name,
+        vocab_size=rank.config.shape.vocab_size,
+        max_context=rank.max_context,
+        info=server_info(rank),
+        extra_info=lambda: {
+            "bootstrap_port": args.bootstrap_port,
+            "open_rooms": rooms.open_rooms(),
+        },
+        prepare=hooks.prepare,
+    )
+    info = {
+        "tp": args.tp,
+        "num_kv_heads": rank.config.shape.num_kv_heads,
+        "model": rank.model_name,
+        **layout_of(rank),
+    }
+    apps = [
+        (create_app(context), args.host, args.port),
+        (bootstrap_app(rooms, run_secret(), info), args.host, args.bootstrap_port),
+    ]
+    serve(rank, context, apps)
+
+
+def run_worker(rank: Rank) -> None:
+    """Ranks > 0: send when rank 0 says so; read rooms from rank 0's bootstrap endpoint."""
+    args: ServerArgs = rank.args
+    client = Client(f"http://127.0.0.1:{args.bootstrap_port}", "prefill rank 0 bootstrap", 40.0)
+
+    def snapshot(room: int, wait: float, ranks: int) -> dict[str, Any]:
+        return client.call("GET", f"/bootstrap/room/{room}", params={"wait": wait, "ranks": ranks})
+
+    def report(room: int, body: dict[str, Any]) -> None:
+        client.call("POST", "/internal/sent", json={"room": room, **body})
+
+    sender = make_sender(rank, snapshot, report)
+    assert rank.group is not None
+
+    def on_send(payload: Any) -> None:
+        message = proto.tensor_json(payload)
+        ready = dev.create_device_event(rank.device)
+        ready.record(dev.current_device_stream(rank.device))
+        sender.send(int(message["room"]), list(message["pages"]), int(message["num_tokens"]), ready)
+
+    rank.group.handlers[OP_SEND] = on_send
+    try:
+        tensor_parallel.worker_loop(rank.group, rank.runner.forward)
+    finally:
+        rank.group.close()
