@@ -131,6 +131,28 @@ class Rooms:
             item.created = time.monotonic()
             self._changed.notify_all()
 
+    def wait_for(self, room: int, condition: dict[str, int], timeout: float) -> dict[str, Any]:
+        """The room's snapshot once `condition` holds, it closed, or `timeout` passed.
+
+        `{"ranks": n}`: n decode ranks registered; `{"decode_rank": r}`: rank r did;
+        `{"decode_rank": r, "segment": i}`: rank r offered a region for segment i; `{}`: now.
+        """
+        ranks = int(condition.get("ranks", 0))
+        rank, segment = condition.get("decode_rank"), condition.get("segment")
+
+        def ready(item: Room) -> bool:
+            if len(item.registrations) < ranks:
+                return False
+            if rank is None:
+                return True
+            registration = item.registrations.get(int(rank))
+            if registration is None or segment is None:
+                return registration is not None
+            return any(s.index == int(segment) for s in registration.segments)
+
+        self.wait(room, ready, timeout)
+        return self.snapshot(room)
+
     def wait(self, room: int, ready: Callable[[Room], bool], timeout: float) -> Room | None:
         """The room once `ready(room)` holds (or it closed), None on timeout."""
         deadline = time.monotonic() + timeout
@@ -204,12 +226,22 @@ def bootstrap_app(rooms: Rooms, secret: bytes, info: dict[str, Any]) -> FastAPI:
         return {"ok": True}
 
     @app.get("/bootstrap/room/{room}")
-    async def room_state(room: int, wait: float = 0.0, ranks: int = 0) -> dict[str, Any]:
-        def ready(item: Any) -> bool:
-            return len(item.registrations) >= ranks
-
-        await asyncio.to_thread(rooms.wait, room, ready, min(wait, 30.0))
-        return rooms.snapshot(room)
+    async def room_state(
+        room: int,
+        wait: float = 0.0,
+        ranks: int = 0,
+        decode_rank: int | None = None,
+        segment: int | None = None,
+    ) -> dict[str, Any]:
+        condition = {"ranks": ranks}
+        if decode_rank is not None:
+            condition["decode_rank"] = decode_rank
+            if segment is not None:
+                condition["segment"] = segment
+        state: dict[str, Any] = await asyncio.to_thread(
+            rooms.wait_for, room, condition, min(wait, 30.0)
+        )
+        return state
 
     @app.get("/bootstrap/result/{room}")
     async def result(room: int, wait: float = 0.0) -> dict[str, Any]:

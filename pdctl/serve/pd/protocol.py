@@ -55,6 +55,7 @@ class Registration:
     head_dim: int
     num_layers: int
     elem_bytes: int
+    segment_bytes: int  # decode's segment size: both sides cut the room the same way
     pages: list[int] = field(default_factory=list)  # decode pages of the prompt
     kv_bases: list[list[int]] = field(default_factory=list)  # direct: [k, v] address per layer
     segments: list[SegmentRegion] = field(default_factory=list)

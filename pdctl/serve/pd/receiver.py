@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +59,17 @@ class KVReceiver:
         self.rank, self.tp, self.name, self.kv = rank, tp, name, kv
         self.transport, self.report, self.staging = transport, report, staging
         self.segment_bytes = min(segment_bytes, pool_bytes)
+        k = kv.k_buffers[0]
+        page_bytes = (
+            2 * len(kv.k_buffers) * kv.page_size * k.shape[1] * k.shape[2] * k.element_size()
+        )
+        if staging and self.segment_bytes < page_bytes:
+            raise ValueError(
+                f"a staging segment ({self.segment_bytes} bytes: the smaller of "
+                f"--staging-segment-mb and --staging-pool-mb) cannot hold one page of this "
+                f"rank's KV ({page_bytes} bytes); raise both to at least "
+                f"{page_bytes / (1 << 20):g} MiB"
+            )
         self.bootstrap_timeout, self.transfer_timeout = bootstrap_timeout, transfer_timeout
         device = kv.kv.device
         self.ring: StagingRing = init_staging_allocator(
@@ -74,6 +86,9 @@ class KVReceiver:
         self.executor = ThreadPoolExecutor(4, thread_name_prefix=f"pdctl-recv-{rank}")
         self.heads_total = kv.k_buffers[0].shape[1]
         self.aborted: set[int] = set()
+        # Rooms are received on several threads; the ring, its handlers and the check
+        # buffer are shared, so every step that touches them holds this lock.
+        self.lock = threading.Lock()
 
     # -- helpers ---------------------------------------------------------------------
     def client(self, address: str) -> Client:
@@ -140,8 +155,10 @@ class KVReceiver:
             mode="staging" if staged else "direct", kv_heads=self.heads_total,
             head_dim=self.kv.k_buffers[0].shape[2],
             num_layers=len(self.kv.k_buffers), elem_bytes=self.kv.kv.element_size(),
+            segment_bytes=self.segment_bytes,
         )  # fmt: skip
-        handler = self.handler(prefill_tp, heads)
+        with self.lock:
+            handler = self.handler(prefill_tp, heads)
         if staged:
             return self._staged(room, pages, base, handler, bootstrap, ready)
         return self._direct(room, pages, base, handler, bootstrap)
@@ -183,6 +200,47 @@ class KVReceiver:
             )
         return fresh
 
+    def _offer_more(
+        self,
+        handler: DecodeStagingHandler,
+        room: int,
+        plan: tuple[Segment, ...],
+        offered: dict[int, Region],
+        bootstrap: str,
+    ) -> None:
+        """Offer prefill regions for the next segments, as far as the ring has space."""
+        with self.lock:
+            handler.reap(room)  # regions whose scatter finished are free again
+            more = self._offer(handler, room, plan, offered)
+        if more:
+            body = {"room": room, "decode_rank": self.rank, "segments": [asdict(s) for s in more]}
+            self.client(bootstrap).call("POST", "/bootstrap/segments", json=body)
+
+    def _region_for(
+        self,
+        handler: DecodeStagingHandler,
+        room: int,
+        plan: tuple[Segment, ...],
+        segment: Segment,
+        offered: dict[int, Region],
+        bootstrap: str,
+    ) -> Region:
+        """Wait until the ring frees a region for `segment` (other rooms' data drains)."""
+        deadline = time.monotonic() + self.transfer_timeout
+        while segment.index not in offered:
+            if room in self.aborted:
+                raise ReceiveFailed(f"{self.name}: room {room} was aborted")
+            if time.monotonic() >= deadline:
+                raise ReceiveFailed(
+                    f"{self.name}: no staging ring region freed for segment {segment.index} of "
+                    f"room {room} within {self.transfer_timeout:g} s (the ring is full of other "
+                    "rooms' data; a larger --staging-pool-mb helps)"
+                )
+            self._offer_more(handler, room, plan, offered, bootstrap)
+            if segment.index not in offered:
+                time.sleep(0.002)
+        return offered[segment.index]
+
     def _staged(
         self,
         room: int,
@@ -192,50 +250,45 @@ class KVReceiver:
         bootstrap: str,
         ready: Any,
     ) -> dict[str, Any]:
-        handler.register_room(room, pages, ready)
+        with self.lock:
+            handler.register_room(room, pages, ready)
         try:
             layout = handler.layout
             plan = plan_segments(
                 len(pages), self.kv.page_size, layout.bytes_per_token(), self.segment_bytes
             )
             offered: dict[int, Region] = {}
-            deadline = time.monotonic() + self.transfer_timeout
-            while not (fresh := self._offer(handler, room, plan, offered)) and not offered:
-                if time.monotonic() >= deadline:  # the ring is full of other rooms' data
-                    raise ReceiveFailed(f"{self.name}: no free staging ring region for room {room}")
-                time.sleep(0.002)
-            registration.segments = fresh
+            # Register at once, even with the ring full: prefill serves each decode rank
+            # as it registers, and regions are offered as they free.
+            with self.lock:
+                registration.segments = self._offer(handler, room, plan, offered)
             self._register(bootstrap, registration)
             total = 0
             for segment in plan:
+                region = self._region_for(handler, room, plan, segment, offered, bootstrap)
                 wait = (
                     self.bootstrap_timeout + self.transfer_timeout
                     if segment.index == 0
                     else self.transfer_timeout
                 )
                 expected = self._await(room, segment.index, layout, wait, bootstrap)
-                region = offered[segment.index]
-                mismatch = handler.check_digests(region, segment, expected)
+                with self.lock:
+                    mismatch = handler.check_digests(region, segment, expected)
+                    if mismatch is None:
+                        handler.scatter(room, region, segment)
+                        handler.reap(room)
                 if mismatch is not None:
                     raise ReceiveFailed(
                         f"KV corruption in room {room}: layer {mismatch.layer} {mismatch.kv} "
                         f"from prefill rank {mismatch.prefill_rank} to decode rank {self.rank} "
                         f"(segment {segment.index})"
                     )
-                handler.scatter(room, region, segment)
-                handler.reap(room)
                 total += region.size
-                more = self._offer(handler, room, plan, offered)
-                if more:
-                    body = {
-                        "room": room,
-                        "decode_rank": self.rank,
-                        "segments": [asdict(s) for s in more],
-                    }
-                    self.client(bootstrap).call("POST", "/bootstrap/segments", json=body)
+                self._offer_more(handler, room, plan, offered, bootstrap)
             return {"bytes": total, "segments": len(plan), "staging": True}
         finally:
-            handler.release_room(room)
+            with self.lock:
+                handler.release_room(room)
 
     def _await(
         self, room: int, segment: int, layout: StagingLayout, wait: float, bootstrap: str
@@ -288,6 +341,20 @@ class KVReceiver:
         plan = plan_segments(
             len(pages), self.kv.page_size, layout.bytes_per_token(), self.segment_bytes
         )
+        with self.lock:
+            self._verify_direct(room, pages, layout, plan, expected)
+        nbytes = len(pages) * self.kv.page_size * layout.bytes_per_token()
+        return {"bytes": nbytes, "segments": 0, "staging": False}
+
+    def _verify_direct(
+        self,
+        room: int,
+        pages: list[int],
+        layout: StagingLayout,
+        plan: tuple[Segment, ...],
+        expected: list[list[int]],
+    ) -> None:
+        """Gather what landed in the pages and compare with the writers' digests."""
         layers = len(self.kv.k_buffers)
         for writer, piece in enumerate(layout.slices):
             received = []
@@ -310,5 +377,3 @@ class KVReceiver:
                     f"{'KV'[index % 2]} from prefill rank {piece.prefill_rank} to decode rank "
                     f"{self.rank} (direct write)"
                 )
-        nbytes = len(pages) * self.kv.page_size * layout.bytes_per_token()
-        return {"bytes": nbytes, "segments": 0, "staging": False}

@@ -1,21 +1,29 @@
 """Prefill side, per TP rank: send a room's KV to every decode rank that needs it.
 
+Each room is sent on its own worker thread, so a room waiting for decode to offer
+a ring region never holds up another room whose region is already there (decode
+may hold regions for rooms in another order than prefill finishes them). Staging
+buffers come from a small pool, held only from a gather until its write is done.
+
 For each decode rank this prefill rank writes to (its head slice, `writers_of`):
 staging: for every segment, wait until decode offers a ring region (its watermark
 must show the region free), gather the head slice of the segment's pages into the
 staging buffer, write it at this writer's block offset, notify with the digests.
 direct (equal TP, or staging disabled): write the pages (or, with TP differing,
 each token's head slice) straight into decode's KV pages, then notify. Failures
-are reported with the decode rank they concern; sends run on one worker thread.
+are reported with the decode rank they concern.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+import queue
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -32,7 +40,9 @@ from pdctl.staging.layout import HeadSlice, StagingLayout, head_slices, plan_seg
 from pdctl.staging.transport import Peer, Transport, TransportError
 
 log = logging.getLogger("pdctl.serve")
-Snapshot = Callable[[int, float, int], dict[str, Any]]  # (room, wait seconds, ranks) -> room state
+# (room, wait seconds, condition) -> room state; condition: {"ranks": n} (that many decode
+# ranks registered) or {"decode_rank": r, "segment": i} (rank r offered segment i).
+Snapshot = Callable[[int, float, dict[str, int]], dict[str, Any]]
 Report = Callable[[int, dict[str, Any]], None]
 
 
@@ -54,19 +64,24 @@ class KVSender:
         segment_bytes: int,
         bootstrap_timeout: float,
         transfer_timeout: float,
+        workers: int = 32,
+        buffers: int = 2,
     ) -> None:
         self.rank, self.tp, self.heads, self.kv = rank, tp, num_kv_heads, kv
         self.transport, self.snapshot, self.report = transport, snapshot, report
         self.bootstrap_timeout, self.transfer_timeout = bootstrap_timeout, transfer_timeout
         self.segment_bytes = segment_bytes
         device = kv.kv.device
-        (self.buffer,) = init_staging_buffers(
-            segment_bytes, device_type=device.type, gpu_id=device.index
-        )
-        transport.register_tensor(self.buffer.tensor)
+        self.buffers: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for buffer in init_staging_buffers(
+            segment_bytes, buffers, device_type=device.type, gpu_id=device.index
+        ):
+            transport.register_tensor(buffer.tensor)
+            self.buffers.put(buffer)
         transport.register_tensor(kv.kv)  # direct page writes read the pool itself
         self.peers: dict[str, Peer] = {}
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"pdctl-send-{rank}")
+        self.peers_lock = threading.Lock()
+        self.executor = ThreadPoolExecutor(workers, thread_name_prefix=f"pdctl-send-{rank}")
 
     def send(self, room: int, pages: list[int], num_tokens: int, ready: Any) -> None:
         """Start sending `room` (pages hold the prompt's KV once `ready` completes)."""
@@ -88,44 +103,59 @@ class KVSender:
                 room, {"rank": self.rank, "ok": False, "error": f"prefill rank {self.rank}: {exc}"}
             )
 
-    def _registrations(self, room: int) -> dict[int, proto.Registration]:
-        deadline = time.monotonic() + self.bootstrap_timeout
-        wanted = 1
+    def _registration(
+        self, room: int, decode_rank: int | None, deadline: float
+    ) -> proto.Registration:
+        """Decode rank `decode_rank`'s registration of `room` (None: whichever comes first).
+
+        Each decode rank is served as soon as it registered: waiting for all of them
+        first could deadlock with a rank whose ring is full of this prefill's other rooms.
+        """
+        condition = {"ranks": 1} if decode_rank is None else {"decode_rank": decode_rank}
         while True:
-            state = self.snapshot(room, max(0.0, min(5.0, deadline - time.monotonic())), wanted)
+            wait = max(0.0, min(5.0, deadline - time.monotonic()))
+            state = self.snapshot(room, wait, condition)
             if state.get("closed"):
                 raise SendFailed(f"room {room} closed before sending: {state['closed']}")
-            regs = {
-                int(k): proto.Registration.from_json(v) for k, v in state["registrations"].items()
-            }
-            if regs:
-                wanted = next(iter(regs.values())).decode_tp
-                if len(regs) >= wanted:
-                    return regs
+            registrations = state["registrations"]
+            key = next(iter(registrations), None) if decode_rank is None else str(decode_rank)
+            if key in registrations:
+                return proto.Registration.from_json(registrations[key])
             if time.monotonic() >= deadline:
-                missing = sorted(set(range(wanted)) - set(regs)) if regs else "every decode rank"
+                who = (
+                    "no decode rank" if decode_rank is None else f"decode rank {decode_rank} never"
+                )
                 raise SendFailed(
-                    f"decode rank(s) {missing} never registered room {room} within "
-                    f"{self.bootstrap_timeout:g} s"
+                    f"{who} registered room {room} within {self.bootstrap_timeout:g} s"
                 )
 
     def _peer(self, registration: proto.Registration) -> Peer:
-        if registration.transport not in self.peers:
-            self.peers[registration.transport] = self.transport.connect(
-                base64.b64decode(registration.transport)
-            )
-        return self.peers[registration.transport]
+        with self.peers_lock:
+            if registration.transport not in self.peers:
+                self.peers[registration.transport] = self.transport.connect(
+                    base64.b64decode(registration.transport)
+                )
+            return self.peers[registration.transport]
+
+    @contextmanager
+    def _buffer(self) -> Iterator[Any]:
+        """A staging buffer from the pool, for one gather and the write that reads it."""
+        buffer = self.buffers.get()
+        try:
+            yield buffer
+        finally:
+            self.buffers.put(buffer)
 
     def _send(self, room: int, pages: list[int], num_tokens: int) -> dict[str, Any]:
-        registrations = self._registrations(room)
+        deadline = time.monotonic() + self.bootstrap_timeout
+        decode_tp = self._registration(room, None, deadline).decode_tp
         total, segments = 0, 0
-        decode_tp = next(iter(registrations.values())).decode_tp
         for decode_rank in range(decode_tp):
             slices = head_slices(self.heads, self.tp, decode_tp, decode_rank)
             mine = [i for i, s in enumerate(slices) if s.prefill_rank == self.rank]
             if not mine:
                 continue
-            registration = registrations[decode_rank]
+            registration = self._registration(room, decode_rank, deadline)
             layout = StagingLayout(
                 len(self.kv.k_buffers), registration.head_dim, registration.elem_bytes, slices
             )
@@ -136,19 +166,32 @@ class KVSender:
             total, segments = total + sent, segments + count
         return {"bytes": total, "segments": segments}
 
-    def _plan(self, pages: list[int], layout: StagingLayout) -> Any:
-        return plan_segments(
-            len(pages), self.kv.page_size, layout.bytes_per_token(), self.segment_bytes
+    def _plan(self, pages: list[int], layout: StagingLayout, reg: proto.Registration) -> Any:
+        """Decode's segments (its segment size), each checked to fit a staging buffer here."""
+        plan = plan_segments(
+            len(pages), self.kv.page_size, layout.bytes_per_token(), reg.segment_bytes
         )
+        writers = range(len(layout.slices))
+        needed = max(
+            layout.block_bytes(w, s.num_tokens(self.kv.page_size)) for s in plan for w in writers
+        )
+        if needed > self.segment_bytes:
+            raise SendFailed(
+                f"decode rank {reg.decode_rank} cuts rooms into segments of "
+                f"{reg.segment_bytes / (1 << 20):g} MiB, which needs a {needed / (1 << 20):g} MiB "
+                f"staging buffer on prefill (it has {self.segment_bytes / (1 << 20):g} MiB); "
+                "give both roles the same --staging-segment-mb"
+            )
+        return plan
 
-    def _gather(self, pages: list[int], piece: HeadSlice) -> tuple[int, list[int]]:
+    def _gather(self, buffer: Any, pages: list[int], piece: HeadSlice) -> tuple[int, list[int]]:
         nbytes = gather_all_layers_to_staging(
-            self.kv.k_buffers, self.kv.v_buffers, pages, self.buffer.tensor,
+            self.kv.k_buffers, self.kv.v_buffers, pages, buffer.tensor,
             src_head_start=piece.src_head_start, num_heads=piece.num_heads,
             page_size=self.kv.page_size,
         )  # fmt: skip
-        digests = block_digests(self.buffer.view(0, nbytes), len(self.kv.k_buffers))
-        dev.synchronize_stream(self.buffer.producer_stream())  # the transport reads next
+        digests = block_digests(buffer.view(0, nbytes), len(self.kv.k_buffers))
+        dev.synchronize_stream(buffer.producer_stream())  # the transport reads next
         return nbytes, digests
 
     def _staged(
@@ -162,7 +205,7 @@ class KVSender:
         piece = layout.slices[writer]
         peer = self._peer(reg)
         sent = 0
-        plan = self._plan(pages, layout)
+        plan = self._plan(pages, layout, reg)
         for segment in plan:
             region = self._region(room, reg.decode_rank, segment.index)
             if not region.writable():
@@ -170,19 +213,22 @@ class KVSender:
                     f"decode rank {reg.decode_rank} offered a region its watermark has not freed"
                 )
             chunk = pages[segment.page_start : segment.page_start + segment.num_pages]
-            nbytes, digests = self._gather(chunk, piece)
             destination = region.address + layout.block_offset(
                 writer, segment.num_tokens(self.kv.page_size)
             )
-            message = proto.notify_message(room, segment.index, self.rank, digests, nbytes)
-            self.transport.write(peer, [self.buffer.ptr], [destination], [nbytes], notify=message)
+            with self._buffer() as buffer:
+                nbytes, digests = self._gather(buffer, chunk, piece)
+                message = proto.notify_message(room, segment.index, self.rank, digests, nbytes)
+                self.transport.write(peer, [buffer.ptr], [destination], [nbytes], notify=message)
             sent += nbytes
         return sent, len(plan)
 
     def _region(self, room: int, decode_rank: int, index: int) -> proto.SegmentRegion:
         deadline = time.monotonic() + self.transfer_timeout
+        condition = {"decode_rank": decode_rank, "segment": index}
         while True:
-            state = self.snapshot(room, 0.0, 0)
+            wait = max(0.0, min(5.0, deadline - time.monotonic()))
+            state = self.snapshot(room, wait, condition)
             if state.get("closed"):
                 raise SendFailed(f"room {room} closed while sending: {state['closed']}")
             registration = proto.Registration.from_json(state["registrations"][str(decode_rank)])
@@ -194,7 +240,6 @@ class KVSender:
                     f"decode rank {decode_rank} offered no ring region for segment {index} of room "
                     f"{room} within {self.transfer_timeout:g} s"
                 )
-            time.sleep(0.002)
 
     def _direct(
         self,
@@ -223,9 +268,10 @@ class KVSender:
         else:
             src, dst, lengths = self._token_descriptors(pages, reg, piece, num_tokens)
         digests = []
-        for segment in self._plan(pages, layout):
+        for segment in self._plan(pages, layout, reg):
             chunk = pages[segment.page_start : segment.page_start + segment.num_pages]
-            digests.append(self._gather(chunk, piece)[1])
+            with self._buffer() as buffer:
+                digests.append(self._gather(buffer, chunk, piece)[1])
         message = proto.notify_message(
             room,
             proto.DIRECT_SEGMENT,

@@ -38,6 +38,14 @@ OP_RECEIVE, OP_ABORT = 20, 21
 
 def make_receiver(rank: Rank, report: Any) -> KVReceiver:
     args = rank.args
+    try:
+        return _receiver(rank, report)
+    except ValueError as exc:
+        raise SystemExit(f"decode rank {args.tp_rank}: {exc}") from None
+
+
+def _receiver(rank: Rank, report: Any) -> KVReceiver:
+    args = rank.args
     return KVReceiver(
         rank=args.tp_rank,
         tp=args.tp,

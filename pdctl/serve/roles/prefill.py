@@ -44,6 +44,7 @@ def make_sender(rank: Rank, snapshot: Any, report: Any) -> KVSender:
         segment_bytes=int(args.staging_segment_mb * (1 << 20)),
         bootstrap_timeout=args.bootstrap_timeout,
         transfer_timeout=args.transfer_timeout,
+        workers=max(4, args.max_running_requests),
     )
 
 
@@ -65,9 +66,8 @@ class PrefillHooks:
         self.lock = threading.Lock()
         self.sender = make_sender(rank, self._snapshot, self.report)
 
-    def _snapshot(self, room: int, wait: float, ranks: int) -> dict[str, Any]:
-        self.rooms.wait(room, lambda item: len(item.registrations) >= ranks, wait)
-        return self.rooms.snapshot(room)
+    def _snapshot(self, room: int, wait: float, condition: dict[str, int]) -> dict[str, Any]:
+        return self.rooms.wait_for(room, condition, wait)
 
     def prepare(self, request: Request, pd: dict[str, Any]) -> None:
         room = pd.get("bootstrap_room")
@@ -174,8 +174,9 @@ def run_worker(rank: Rank) -> None:
     args: ServerArgs = rank.args
     client = Client(f"http://127.0.0.1:{args.bootstrap_port}", "prefill rank 0 bootstrap", 40.0)
 
-    def snapshot(room: int, wait: float, ranks: int) -> dict[str, Any]:
-        return client.call("GET", f"/bootstrap/room/{room}", params={"wait": wait, "ranks": ranks})
+    def snapshot(room: int, wait: float, condition: dict[str, int]) -> dict[str, Any]:
+        params: dict[str, Any] = {"wait": wait, **condition}
+        return client.call("GET", f"/bootstrap/room/{room}", params=params)
 
     def report(room: int, body: dict[str, Any]) -> None:
         client.call("POST", "/internal/sent", json={"room": room, **body})
