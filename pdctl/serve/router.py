@@ -66,6 +66,15 @@ class RouterState:
     def ready(self) -> bool:
         return any(w.healthy for w in self.prefill) and any(w.healthy for w in self.decode)
 
+    def not_ready_reason(self) -> str:
+        """Which side has no healthy worker, and what its workers last answered."""
+        missing = []
+        for role, workers in (("prefill", self.prefill), ("decode", self.decode)):
+            if not any(w.healthy for w in workers):
+                why = ", ".join(f"{w.url}: {w.last_error}" for w in workers)
+                missing.append(f"no healthy {role} worker ({why})")
+        return "; ".join(missing)
+
 
 class SideFailed(Exception):
     def __init__(self, side: Worker, message: str, status: int = 502) -> None:
@@ -178,7 +187,10 @@ def create_router_app(state: RouterState) -> FastAPI:
                             "" if worker.healthy else f"/health answered {response.status_code}"
                         )
                     except httpx.HTTPError as exc:
-                        worker.healthy, worker.last_error = False, f"{type(exc).__name__}"
+                        worker.healthy = False
+                        worker.last_error = (
+                            f"{type(exc).__name__}: {exc}" if str(exc) else (type(exc).__name__)
+                        )
                 await asyncio.sleep(0.5)
 
     @contextlib.asynccontextmanager
@@ -205,9 +217,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             else "text"
         )
         if not state.ready:
-            return JSONResponse(
-                error_body("no healthy prefill and decode worker yet", status=503), status_code=503
-            )
+            return JSONResponse(error_body(state.not_ready_reason(), status=503), status_code=503)
         state.counters["requests"] += 1
         if body.get("stream"):
             return StreamingResponse(
@@ -247,7 +257,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         if state.ready:
             return JSONResponse({"status": "ok"})
         return JSONResponse(
-            error_body("waiting for a healthy prefill and decode worker", status=503),
+            error_body(state.not_ready_reason(), status=503),
             status_code=503,
         )
 

@@ -51,7 +51,13 @@ class Server:
         self.log.close()  # type: ignore[attr-defined]
 
 
-def start_server(*extra: str, tp: int = 1, role: str = "colocated", name: str = "test") -> Server:
+def start_server(
+    *extra: str,
+    tp: int = 1,
+    role: str = "colocated",
+    name: str = "test",
+    env: dict[str, str] | None = None,
+) -> Server:
     port = free_port()
     argv = [
         sys.executable,
@@ -69,7 +75,13 @@ def start_server(*extra: str, tp: int = 1, role: str = "colocated", name: str = 
     if tp > 1:
         argv += ["--dist-port", str(free_port())]
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by Server.stop)
-    process = subprocess.Popen([*argv, *extra], stdout=log, stderr=log, start_new_session=True)
+    process = subprocess.Popen(
+        [*argv, *extra],
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
     server = Server(f"http://127.0.0.1:{port}", process, log)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -34,11 +34,11 @@ class PDCluster:
     def generate(self, **body: object) -> dict:
         return post(self.url, "/generate", body)
 
-    def pools_full(self, timeout: float = 20.0) -> None:
+    def pools_full(self, timeout: float = 20.0, servers: list[Server] | None = None) -> None:
         """Every KV page back (apart from the radix cache) and every ring region freed."""
         deadline = time.monotonic() + timeout
         while True:
-            states = [(s, s.info()) for s in self.prefill + self.decode]
+            states = [(s, s.info()) for s in servers or self.prefill + self.decode]
             leaks = [describe_leak(s, info) for s, info in states]
             leaks = [leak for leak in leaks if leak]
             if not leaks:
@@ -88,6 +88,7 @@ def pd_cluster(
     timeout: float = 15.0,
     prefill_extra: tuple[str, ...] = (),
     decode_extra: tuple[str, ...] = (),
+    prefill_env: dict[str, str] | None = None,
 ) -> Iterator[PDCluster]:
     os.environ.setdefault("PDCTL_RUN_SECRET", secrets.token_hex(16))
     common = [
@@ -111,7 +112,7 @@ def pd_cluster(
             extra = _transport_ports(backend, prefill_tp)
             server = start_server(
                 *common, *extra, "--bootstrap-port", str(port), "--replica", str(replica),
-                *prefill_extra, tp=prefill_tp, role="prefill", name="pd",
+                *prefill_extra, tp=prefill_tp, role="prefill", name="pd", env=prefill_env,
             )  # fmt: skip
             cluster.servers.append(server)
             cluster.prefill.append(server)

@@ -124,6 +124,15 @@ class Rooms:
         if self.on_sent is not None:
             self.on_sent(room, report)
 
+    def fail(self, room: int, reason: str) -> None:
+        """Decode's side failed: close the room unless it already finished."""
+        with self._changed:
+            item = self._room(room)
+            if item.closed is None:
+                item.closed = f"failed: {reason}"
+                item.created = time.monotonic()
+                self._changed.notify_all()
+
     def close(self, room: int, how: str) -> None:
         with self._changed:
             item = self._room(room)
@@ -249,6 +258,17 @@ def bootstrap_app(rooms: Rooms, secret: bytes, info: dict[str, Any]) -> FastAPI:
             rooms.wait, room, lambda item: item.result is not None, min(wait, 30.0)
         )
         return rooms.snapshot(room)
+
+    @app.post("/bootstrap/fail")
+    async def fail(request: HttpRequest) -> dict[str, Any]:
+        """Decode gave up on a room (failure or abort): prefill stops sending it."""
+        try:
+            body = await request.json()
+            room, reason = int(body["room"]), str(body["reason"])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise BootstrapError(f"malformed failure report: {exc}", 400) from None
+        rooms.fail(room, reason)
+        return {"ok": True}
 
     @app.post("/internal/sent")
     async def sent(request: HttpRequest) -> dict[str, Any]:

@@ -136,10 +136,19 @@ class KVReceiver:
             self.report(room, {"rank": self.rank, "ok": True, **stats})
         except (ReceiveFailed, TransportError, PeerCallError) as exc:
             log.warning("room %s: %s", room, exc)
-            self.report(room, {"rank": self.rank, "ok": False, "error": str(exc)})
+            self._failed(room, bootstrap, str(exc))
         except Exception as exc:
             log.exception("room %s: receive failed", room)
-            self.report(room, {"rank": self.rank, "ok": False, "error": f"{self.name}: {exc}"})
+            self._failed(room, bootstrap, f"{self.name}: {exc}")
+
+    def _failed(self, room: int, bootstrap: str, error: str) -> None:
+        """Tell prefill to stop sending the room (best effort), then report."""
+        try:
+            body = {"room": room, "reason": f"decode: {error}"}
+            self.client(bootstrap).call("POST", "/bootstrap/fail", json=body, timeout=3.0)
+        except PeerCallError as exc:
+            log.info("room %s: could not tell prefill: %s", room, exc)
+        self.report(room, {"rank": self.rank, "ok": False, "error": error})
 
     def _receive(
         self, room: int, pages: list[int], num_tokens: int, bootstrap: str, ready: Any
@@ -293,9 +302,14 @@ class KVReceiver:
     def _await(
         self, room: int, segment: int, layout: StagingLayout, wait: float, bootstrap: str
     ) -> list[list[int]]:
-        """Digests from every writer of `segment`, in writer order."""
+        """Digests from every writer of `segment`, in writer order.
+
+        Every second without news the room is looked up on prefill's bootstrap, so a
+        prefill that died or failed the room ends the wait at once, with its reason.
+        """
         digests = []
         deadline = time.monotonic() + wait
+        check_at = time.monotonic() + 1.0
         for piece in layout.slices:
             prefix = proto.notify_prefix(room, segment, piece.prefill_rank)
             while True:
@@ -307,6 +321,9 @@ class KVReceiver:
                     )
                 if room in self.aborted:
                     raise ReceiveFailed(f"{self.name}: room {room} was aborted")
+                if time.monotonic() >= check_at:
+                    self._check_prefill(room, bootstrap)
+                    check_at = time.monotonic() + 1.0
                 try:
                     note = self.transport.wait_notification(
                         prefix, min(remaining, 0.25), prefix=True
@@ -316,6 +333,17 @@ class KVReceiver:
                     continue
             digests.append(list(proto.parse_notify(note.message)["digests"]))
         return digests
+
+    def _check_prefill(self, room: int, bootstrap: str) -> None:
+        try:
+            state = self.client(bootstrap).call("GET", f"/bootstrap/room/{room}", timeout=3.0)
+        except PeerCallError as exc:
+            raise ReceiveFailed(
+                f"{self.name}: waiting for room {room}: {exc} (did the prefill server die?)"
+            ) from None
+        closed = state.get("closed")
+        if closed and closed != "finished":
+            raise ReceiveFailed(f"{self.name}: prefill {bootstrap} closed room {room}: {closed}")
 
     def abort(self, room: int) -> None:
         """Stop waiting for `room` (its request was aborted); its regions are released."""

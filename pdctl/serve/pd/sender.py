@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import queue
 import threading
 import time
@@ -71,6 +72,9 @@ class KVSender:
         self.transport, self.snapshot, self.report = transport, snapshot, report
         self.bootstrap_timeout, self.transfer_timeout = bootstrap_timeout, transfer_timeout
         self.segment_bytes = segment_bytes
+        # Fault injection for proving the digest check (`pdctl verify` and the tests):
+        # PDCTL_FAULT=corrupt-staging flips one byte after the digests were taken.
+        self.corrupt = os.environ.get("PDCTL_FAULT") == "corrupt-staging"
         device = kv.kv.device
         self.buffers: queue.SimpleQueue[Any] = queue.SimpleQueue()
         for buffer in init_staging_buffers(
@@ -218,6 +222,8 @@ class KVSender:
             )
             with self._buffer() as buffer:
                 nbytes, digests = self._gather(buffer, chunk, piece)
+                if self.corrupt:
+                    buffer.view(0, nbytes)[nbytes // 2] ^= 0x5A
                 message = proto.notify_message(room, segment.index, self.rank, digests, nbytes)
                 self.transport.write(peer, [buffer.ptr], [destination], [nbytes], notify=message)
             sent += nbytes
