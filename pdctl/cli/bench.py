@@ -179,3 +179,75 @@ def engine(
             str(row["steps"]),
         )
     console.out.print(table)
+
+
+@bench_app.command("pd")
+def pd(
+    ctx: typer.Context,
+    topology: Annotated[
+        Path, typer.Argument(help="A CPU topology file (default: the default topology).")
+    ] = Path("topologies/cpu-p1d2-tcp.yaml"),
+    backends: Annotated[
+        str, typer.Option(help="Transports to compare, comma-separated.")
+    ] = "tcp,mooncake,nixl",
+    prompts: Annotated[int, typer.Option(min=1, help="Requests in the workload.")] = 12,
+    prompt_len: Annotated[int, typer.Option(min=1, help="Prompt length in tokens.")] = 256,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 32,
+    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight.")] = 6,
+    json: JsonOption = False,
+    verbose: VerboseOption = 0,
+    quiet: QuietOption = False,
+) -> None:
+    """PD against colocated, per transport: KV transfer ms and bytes, TTFT, tokens/s."""
+    opts = options(ctx, json, verbose, quiet)
+    from pdctl.launch import bench as pd_bench
+
+    chosen = tuple(b.strip() for b in backends.split(",") if b.strip())
+    unknown = sorted(set(chosen) - set(pd_bench.BACKENDS))
+    if unknown:
+        raise UsageError(
+            f"--backends: unknown transport(s) {', '.join(unknown)}",
+            hint=f"choose from {', '.join(pd_bench.BACKENDS)}",
+        )
+    report = pd_bench.bench_pd(
+        topology, backends=chosen, prompts=prompts, prompt_len=prompt_len,
+        new_tokens=new_tokens, concurrency=concurrency,
+        progress=console.info if not opts.quiet else (lambda _: None),
+    )  # fmt: skip
+    if opts.json:
+        console.emit_json(report)
+        return
+    table = Table(
+        title=f"PD bench: {report['topology']}, {report['prompts']} prompts x "
+        f"{report['prompt_len']} tokens, {report['new_tokens']} new, "
+        f"N = {report['concurrency']} in flight",
+        caption="write ms: prefill gathering + writing one request's KV; KV ready: decode, "
+        "admission to KV checked (includes prefill compute); tok/s 1: serial streaming; "
+        "tok/s N: concurrent; /coloc: PD over a colocated TP1 server of the same model",
+    )
+    columns = ("config", "KiB/req", "write ms", "KV ready ms p50/95", "TTFT ms p50/95",
+               "tok/s 1", "tok/s N", "TTFT /coloc", "tok/s /coloc")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column == "config" else "right")
+    for row in report["rows"]:
+        transfer = (
+            f"{row['transfer_ms_p50']:.1f} / {row['transfer_ms_p95']:.1f}"
+            if "transfer_ms_p50" in row
+            else "-"
+        )
+        table.add_row(
+            row["config"],
+            f"{row['kv_bytes_per_request'] / 1024:,.0f}" if "kv_bytes_per_request" in row else "-",
+            f"{row['write_ms_mean']:.2f}" if "write_ms_mean" in row else "-",
+            transfer,
+            f"{row['ttft_ms_p50']:.1f} / {row['ttft_ms_p95']:.1f}",
+            f"{row['serial_tokens_per_s']:.1f}",
+            f"{row['concurrent_tokens_per_s']:.1f}",
+            f"{row['ttft_vs_colocated']:.2f}x" if "ttft_vs_colocated" in row else "1.00x",
+            f"{row['concurrent_tokens_per_s_vs_colocated']:.2f}x"
+            if "concurrent_tokens_per_s_vs_colocated" in row
+            else "1.00x",
+        )
+    console.out.print(table)
+    for backend, reason in report["skipped"].items():
+        console.warning(f"{backend} not measured: {reason}")

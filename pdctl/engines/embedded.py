@@ -21,6 +21,7 @@ from pdctl.engines.base import (
     command,
     joined,
     python,
+    render_command,
 )
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import ServerLayout, role_spec
@@ -28,6 +29,41 @@ from pdctl.topology.resolve import ServerLayout, role_spec
 
 def _mb(value: float) -> str:
     return f"{value:g}"
+
+
+def model_args(topology: Topology) -> list[str | Arg]:
+    """Device, model and serving flags: the same for every role (and the reference)."""
+    model, serving = topology.model, topology.serving
+    args: list[str | Arg] = ["--device", topology.device]
+    if model.uses_preset:
+        args += ["--model-preset", model.preset]
+    else:
+        args += ["--model-path", str(model.path)]
+    args += [
+        "--dtype", topology.effective_dtype,
+        "--seed", str(model.seed),
+        "--page-size", str(serving.page_size),
+        "--max-running-requests", str(serving.max_running_requests),
+        "--chunked-prefill-tokens", str(serving.chunked_prefill_tokens),
+    ]  # fmt: skip
+    if serving.kv_pool_tokens is not None:
+        args += ["--kv-pool-tokens", str(serving.kv_pool_tokens)]
+    if not serving.overlap:
+        args.append("--disable-overlap")
+    return args
+
+
+def reference_command(topology: Topology, port: int, dist_port: int | None, tp: int) -> list[str]:
+    """A colocated server of the topology's model: the reference PD is compared with."""
+    args: list[str | Arg] = [
+        python(), "-m", "pdctl.serve", "--role", "colocated",
+        "--topology-name", topology.name, "--host", topology.host,
+        "--port", str(port), "--tp", str(tp),
+    ]  # fmt: skip
+    if dist_port is not None:
+        args += ["--dist-port", str(dist_port)]
+    args += model_args(topology)
+    return render_command(command(*args))
 
 
 class EmbeddedEngine(Engine):
@@ -79,8 +115,6 @@ class EmbeddedEngine(Engine):
     def command(
         self, topology: Topology, server: ServerLayout, slots: Mapping[str, PortSlot]
     ) -> Command:
-        model = topology.model
-        serving = topology.serving
         transfer = topology.transfer
         args: list[str | Arg] = [
             python(), "-m", "pdctl.serve",
@@ -93,22 +127,7 @@ class EmbeddedEngine(Engine):
         ]  # fmt: skip
         if "dist" in slots:
             args += ["--dist-port", Arg((slots["dist"].ref,))]
-        args += ["--device", topology.device]
-        if model.uses_preset:
-            args += ["--model-preset", model.preset]
-        else:
-            args += ["--model-path", str(model.path)]
-        args += [
-            "--dtype", topology.effective_dtype,
-            "--seed", str(model.seed),
-            "--page-size", str(serving.page_size),
-            "--max-running-requests", str(serving.max_running_requests),
-            "--chunked-prefill-tokens", str(serving.chunked_prefill_tokens),
-        ]  # fmt: skip
-        if serving.kv_pool_tokens is not None:
-            args += ["--kv-pool-tokens", str(serving.kv_pool_tokens)]
-        if not serving.overlap:
-            args.append("--disable-overlap")
+        args += model_args(topology)
         args += ["--transfer-backend", transfer.backend]
         if transfer.backend == "tcp":
             transport = [slots[f"transport.tp{rank}"].ref for rank in range(server.tp)]

@@ -23,20 +23,26 @@ MANAGED_FLAGS: Mapping[str, str] = {
     "--port": "router.port",
     "--role": "router.kind",
     "--request-timeout": "transfer.timeouts.request_s",
+    "--request-timeout-secs": "transfer.timeouts.request_s",
+    "--prometheus-host": "host",
+    "--prometheus-port": "(allocated at launch)",
 }
 
 
 def router_slots(topology: Topology) -> list[PortSlot]:
-    return [
+    slots = [
         PortSlot(ROUTER, "http", "router HTTP API (the endpoint clients use)", topology.router.port)
     ]
+    if topology.router.kind == "sglang-router":  # its metrics listener has a fixed default
+        slots.append(PortSlot(ROUTER, "metrics", "sglang-router Prometheus metrics"))
+    return slots
 
 
 def router_command(
     topology: Topology, servers: Sequence[tuple[ServerLayout, Mapping[str, PortSlot]]]
 ) -> Command:
     host = topology.host
-    (http,) = router_slots(topology)
+    http, *extra = router_slots(topology)
     workers: list[str | Arg] = []
     for server, slots in servers:
         if server.role == "prefill":
@@ -52,7 +58,9 @@ def router_command(
             "sglang_router.launch_router",
             "--pd-disaggregation",
         ]
-        tail: list[str | Arg] = []
+        timeout = f"{topology.transfer.timeouts.request_s:g}"
+        tail: list[str | Arg] = ["--request-timeout-secs", timeout]
+        tail += ["--prometheus-host", host, "--prometheus-port", Arg((extra[0].ref,))]
     else:
         head = [python(), "-m", "pdctl.serve", "--role", "router", "--topology-name", topology.name]
         tail = ["--request-timeout", f"{topology.transfer.timeouts.request_s:g}"]

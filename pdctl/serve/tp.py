@@ -115,16 +115,28 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def spawn_ranks(world: int, argv: list[str], env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
-    """Rank 0 starts ranks 1..world-1 in its own process group; they die with it."""
+    """Rank 0 starts ranks 1..world-1 in its own process group; they die with it.
+
+    Under the launcher (PDCTL_LOG_DIR and PDCTL_PROCESS_NAME set) each rank writes
+    its own log, `<process>-tp<rank>.log`; otherwise ranks share rank 0's output.
+    """
     children = []
+    log_dir, name = env.get("PDCTL_LOG_DIR"), env.get("PDCTL_PROCESS_NAME")
     for rank in range(1, world):
-        children.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "pdctl.serve", *argv, "--tp-rank", str(rank)],
-                env=env,
-                preexec_fn=_die_with_parent,
+        log = open(f"{log_dir}/{name}-tp{rank}.log", "ab") if log_dir and name else None  # noqa: SIM115
+        try:
+            children.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "pdctl.serve", *argv, "--tp-rank", str(rank)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT if log else None,
+                    preexec_fn=_die_with_parent,
+                )
             )
-        )
+        finally:
+            if log is not None:
+                log.close()
     return children
 
 

@@ -78,7 +78,9 @@ def test_sglang_router_command() -> None:
     assert line(plan, "router") == (
         "python -m sglang_router.launch_router --pd-disaggregation "
         "--prefill 'http://127.0.0.1:<prefill-0.http>' '<prefill-0.bootstrap>' "
-        "--decode 'http://127.0.0.1:<decode-0.http>' --host 127.0.0.1 --port '<router.http>'"
+        "--decode 'http://127.0.0.1:<decode-0.http>' --host 127.0.0.1 --port '<router.http>' "
+        "--request-timeout-secs 120 --prometheus-host 127.0.0.1 --prometheus-port "
+        "'<router.metrics>'"
     )
 
 

@@ -153,7 +153,7 @@ class KVSender:
     def _send(self, room: int, pages: list[int], num_tokens: int) -> dict[str, Any]:
         deadline = time.monotonic() + self.bootstrap_timeout
         decode_tp = self._registration(room, None, deadline).decode_tp
-        total, segments = 0, 0
+        total, segments, busy = 0, 0, 0.0
         for decode_rank in range(decode_tp):
             slices = head_slices(self.heads, self.tp, decode_tp, decode_rank)
             mine = [i for i, s in enumerate(slices) if s.prefill_rank == self.rank]
@@ -163,12 +163,16 @@ class KVSender:
             layout = StagingLayout(
                 len(self.kv.k_buffers), registration.head_dim, registration.elem_bytes, slices
             )
+            started = time.perf_counter()
             if registration.mode == "staging":
-                sent, count = self._staged(room, pages, registration, layout, mine[0])
+                sent, count, waited = self._staged(room, pages, registration, layout, mine[0])
             else:
                 sent, count = self._direct(room, pages, num_tokens, registration, layout, mine[0])
+                waited = 0.0
+            busy += time.perf_counter() - started - waited
             total, segments = total + sent, segments + count
-        return {"bytes": total, "segments": segments}
+        # write_ms: gathering, digests and writes only (not waiting for decode's regions)
+        return {"bytes": total, "segments": segments, "write_ms": round(busy * 1e3, 3)}
 
     def _plan(self, pages: list[int], layout: StagingLayout, reg: proto.Registration) -> Any:
         """Decode's segments (its segment size), each checked to fit a staging buffer here."""
@@ -205,13 +209,15 @@ class KVSender:
         reg: proto.Registration,
         layout: StagingLayout,
         writer: int,
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, float]:
         piece = layout.slices[writer]
         peer = self._peer(reg)
-        sent = 0
+        sent, waited = 0, 0.0
         plan = self._plan(pages, layout, reg)
         for segment in plan:
+            started = time.perf_counter()
             region = self._region(room, reg.decode_rank, segment.index)
+            waited += time.perf_counter() - started
             if not region.writable():
                 raise SendFailed(
                     f"decode rank {reg.decode_rank} offered a region its watermark has not freed"
@@ -227,7 +233,7 @@ class KVSender:
                 message = proto.notify_message(room, segment.index, self.rank, digests, nbytes)
                 self.transport.write(peer, [buffer.ptr], [destination], [nbytes], notify=message)
             sent += nbytes
-        return sent, len(plan)
+        return sent, len(plan), waited
 
     def _region(self, room: int, decode_rank: int, index: int) -> proto.SegmentRegion:
         deadline = time.monotonic() + self.transfer_timeout

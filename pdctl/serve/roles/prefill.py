@@ -65,6 +65,14 @@ class PrefillHooks:
         self.pending: dict[int, dict[str, Any]] = {}  # room -> {rid, reports}
         self.lock = threading.Lock()
         self.sender = make_sender(rank, self._snapshot, self.report)
+        # What /get_server_info reports as kv_sent (benchmarks read the deltas).
+        self.sent_totals: dict[str, Any] = {
+            "rooms": 0,
+            "failed_rooms": 0,
+            "bytes": 0,
+            "write_ms": 0.0,
+            "transfer_ms": 0.0,
+        }
 
     def _snapshot(self, room: int, wait: float, condition: dict[str, int]) -> dict[str, Any]:
         return self.rooms.wait_for(room, condition, wait)
@@ -127,8 +135,16 @@ class PrefillHooks:
             "bytes": sum(int(r.get("bytes", 0)) for r in reports),
             "segments": max(int(r.get("segments", 0)) for r in reports),
             "transfer_ms": max(float(r.get("transfer_ms", 0)) for r in reports),
+            "write_ms": max(float(r.get("write_ms", 0)) for r in reports),
             "transport": self.rank.args.transfer_backend,
         }
+        with self.lock:
+            totals = self.sent_totals
+            totals["rooms" if not errors else "failed_rooms"] += 1
+            if not errors:
+                totals["bytes"] += info["bytes"]
+                totals["write_ms"] = round(totals["write_ms"] + info["write_ms"], 3)
+                totals["transfer_ms"] = round(totals["transfer_ms"] + info["transfer_ms"], 3)
         self.rooms.close(room, "finished" if not errors else f"failed: {errors[0]}")
         assert self.engine is not None
         self.engine.transferred(entry["rid"], f"prefill: {errors[0]}" if errors else None, info)
@@ -153,6 +169,7 @@ def run(rank: Rank) -> None:
         extra_info=lambda: {
             "bootstrap_port": args.bootstrap_port,
             "open_rooms": rooms.open_rooms(),
+            "kv_sent": dict(hooks.sent_totals),
         },
         prepare=hooks.prepare,
     )

@@ -11,7 +11,9 @@ import base64
 import contextlib
 import importlib
 import logging
+import os
 import sys
+import threading
 import time
 import uuid
 from typing import Any
@@ -88,7 +90,18 @@ class NixlTransport(Transport):
         api = import_nixl()
         self.agent_name = f"{config.name}/{uuid.uuid4().hex[:8]}"
         try:
-            agent_config = api.nixl_agent_config(backends=[config.nixl_backend])
+            # NIXL's own progress thread spins on a core even when idle (a whole core
+            # per process on a CPU box). Instead a pump thread polls for notifications
+            # every PUMP_S, which also progresses the backend (over UCX's TCP transport
+            # the target side must progress for a write to land).
+            # PDCTL_NIXL_PROGRESS_THREAD=1 brings NIXL's thread back (and no pump).
+            self.native_progress = os.environ.get("PDCTL_NIXL_PROGRESS_THREAD") == "1"
+            agent_config = api.nixl_agent_config(
+                enable_prog_thread=self.native_progress,
+                backends=[config.nixl_backend],
+                # sender and receiver threads share the agent
+                sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+            )
             self.agent = api.nixl_agent(self.agent_name, agent_config)
         except Exception as exc:  # NIXL raises its own exception types
             raise TransportError(
@@ -96,6 +109,23 @@ class NixlTransport(Transport):
             ) from None
         self.peer_names: dict[str, str] = {}  # NIXL agent name -> pdctl peer name
         self.reg_descs: dict[int, Any] = {}
+        self._pump_stop = threading.Event()
+        self._pump: threading.Thread | None = None
+        if not self.native_progress:
+            self._pump = threading.Thread(
+                target=self._run_pump, name=f"pdctl-nixl-pump-{config.name}", daemon=True
+            )
+            self._pump.start()
+
+    PUMP_S = 0.0005
+
+    def _run_pump(self) -> None:
+        while not self._pump_stop.wait(self.PUMP_S):
+            try:
+                self._poll()
+            except Exception:  # the agent is closing; the next wait reports real errors
+                if self._pump_stop.is_set():
+                    return
 
     def _register(self, region: MemoryRegion) -> None:
         try:
@@ -194,6 +224,9 @@ class NixlTransport(Transport):
                 self.deliver(Notification(peer, bytes(message)))
 
     def _close(self) -> None:
+        self._pump_stop.set()
+        if self._pump is not None and self._pump is not threading.current_thread():
+            self._pump.join(timeout=1.0)
         for remote in list(self.peer_names):
             with contextlib.suppress(Exception):
                 self.agent.remove_remote_agent(remote)

@@ -1,0 +1,216 @@
+"""`pdctl bench pd`: PD serving against colocated, per transport, measured in one run.
+
+For each transport the topology is brought up (the launcher, real processes) with
+`transfer.backend` set to it. Each request of a fixed workload is sent serially,
+streaming, through the router: time to first token, the KV transfer's bytes and
+time (from `meta_info.kv_transfer`), end-to-end tokens/s; then the same workload
+with `concurrency` requests in flight gives throughput. A colocated server of the
+same model (TP 1) runs the same workload last; the report gives PD / colocated.
+
+Two transfer times: `transfer_ms` is decode's (from the request's admission until
+its KV is scattered and checked: it includes waiting for prefill to compute the
+prompt); `write_ms_mean` is prefill's own time gathering, digesting and writing
+the KV of one request (from /get_server_info `kv_sent`), the transport's share.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from pdctl.launch.plan import load_checked, make_plan
+from pdctl.launch.run import Run
+from pdctl.topology import TopologyError, load_file
+
+BACKENDS = ("tcp", "mooncake", "nixl")
+MODULES = {"mooncake": ("mooncake",), "nixl": ("nixl", "nixl_cu12", "nixl_cu13")}
+
+
+def workload(prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    """Fixed prompts of token ids (distinct, so no request hits another's cache)."""
+    return [
+        [(seed * 31 + i * 131 + j * 17 + (i * j) % 7) % 500 + 1 for j in range(prompt_len)]
+        for i in range(prompts)
+    ]
+
+
+def _stream_one(url: str, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
+        "stream": True,
+    }
+    started = time.perf_counter()
+    first = None
+    last: dict[str, Any] = {}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=300) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"{url}: {response.status_code} {response.text[:300]}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"{url}: {event['error']}")
+            if first is None and event.get("output_ids"):
+                first = time.perf_counter()
+            last = event
+    done = time.perf_counter()
+    tokens = len(last.get("output_ids", []))
+    return {
+        "ttft_ms": ((first or done) - started) * 1e3,
+        "seconds": done - started,
+        "tokens": tokens,
+        "kv_transfer": last.get("meta_info", {}).get("kv_transfer"),
+    }
+
+
+def _concurrent(url: str, prompts: list[list[int]], new_tokens: int, concurrency: int) -> float:
+    def one(prompt: list[int]) -> int:
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
+        }
+        response = httpx.post(f"{url}/generate", json=body, timeout=300)
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: {response.status_code} {response.text[:300]}")
+        return len(response.json()["output_ids"])
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        tokens = sum(pool.map(one, prompts))
+    return tokens / (time.perf_counter() - started)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _kv_sent(prefill_url: str | None) -> dict[str, Any]:
+    if prefill_url is None:
+        return {}
+    info: dict[str, Any] = httpx.get(f"{prefill_url}/get_server_info", timeout=30).json()
+    return dict(info.get("kv_sent", {}))
+
+
+def measure(
+    url: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    concurrency: int,
+    prefill_url: str | None = None,
+) -> dict[str, Any]:
+    _stream_one(url, prompts[0][:8], 2)  # warm-up: connections, first-call costs
+    before = _kv_sent(prefill_url)
+    serial = [_stream_one(url, prompt, new_tokens) for prompt in prompts]
+    after = _kv_sent(prefill_url)
+    ttft = [r["ttft_ms"] for r in serial]
+    transfers = [r["kv_transfer"] for r in serial if r["kv_transfer"]]
+    row: dict[str, Any] = {
+        "ttft_ms_p50": round(statistics.median(ttft), 2),
+        "ttft_ms_p95": round(_percentile(ttft, 0.95), 2),
+        "serial_tokens_per_s": round(
+            sum(r["tokens"] for r in serial) / sum(r["seconds"] for r in serial), 1
+        ),
+        "concurrent_tokens_per_s": round(_concurrent(url, prompts, new_tokens, concurrency), 1),
+    }
+    if transfers:
+        ms = [float(t["transfer_ms"]) for t in transfers]
+        row.update(
+            kv_bytes_per_request=int(statistics.median(int(t["bytes"]) for t in transfers)),
+            kv_segments=max(int(t["segments"]) for t in transfers),
+            staging=bool(transfers[0]["staging"]),
+            transfer_ms_p50=round(statistics.median(ms), 2),
+            transfer_ms_p95=round(_percentile(ms, 0.95), 2),
+            digests_ok=all(t["digest_ok"] for t in transfers),
+        )
+    rooms = after.get("rooms", 0) - before.get("rooms", 0)
+    if rooms > 0:  # prefill's side: time spent gathering and writing, per request
+        write_ms = after["write_ms"] - before["write_ms"]
+        row["write_ms_mean"] = round(write_ms / rooms, 2)
+        row["write_gbps"] = round((after["bytes"] - before["bytes"]) / (write_ms * 1e6), 3)
+    return row
+
+
+def _variant(path: Path, backend: str, directory: Path) -> Path:
+    data = yaml.safe_load(path.read_text())
+    data.setdefault("transfer", {})["backend"] = backend
+    target = directory / f"{path.stem}-{backend}.yaml"
+    target.write_text(yaml.safe_dump(data, sort_keys=False))
+    return target
+
+
+def bench_pd(
+    topology: Path,
+    *,
+    backends: tuple[str, ...] = BACKENDS,
+    prompts: int = 12,
+    prompt_len: int = 256,
+    new_tokens: int = 32,
+    concurrency: int = 6,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    base = load_file(topology).topology  # a bad file fails here, before anything starts
+    work = workload(prompts, prompt_len)
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="pdctl-bench-") as scratch:
+        for backend in backends:
+            modules = MODULES.get(backend, ())
+            if modules and not any(importlib.util.find_spec(m) for m in modules):
+                skipped[backend] = f"none of {', '.join(modules)} is importable"
+                continue
+            try:
+                plan = make_plan(load_checked(_variant(topology, backend, Path(scratch))))
+            except TopologyError as exc:
+                skipped[backend] = str(exc).splitlines()[0]
+                continue
+            run = Run(plan)
+            progress(f"{backend}: starting {plan.topology.name}")
+            run.start()
+            try:
+                run.wait_ready()
+                progress(f"{backend}: measuring {prompts} requests")
+                row = {"config": f"PD {backend}", "transport": backend}
+                prefill = run.state("prefill-0").url
+                row.update(measure(run.router_url, work, new_tokens, concurrency, prefill))
+                rows.append(row)
+            finally:
+                run.stop()
+        progress("colocated reference: starting")
+        plan = make_plan(load_checked(topology))
+        run = Run(plan)
+        try:
+            url = run.start_reference(tp=1)
+            progress("colocated reference: measuring")
+            reference_row: dict[str, Any] = {"config": "colocated TP1", "transport": None}
+            reference_row.update(measure(url, work, new_tokens, concurrency))
+        finally:
+            run.stop()
+    for row in rows:
+        row["ttft_vs_colocated"] = round(row["ttft_ms_p50"] / reference_row["ttft_ms_p50"], 3)
+        row["concurrent_tokens_per_s_vs_colocated"] = round(
+            row["concurrent_tokens_per_s"] / reference_row["concurrent_tokens_per_s"], 3
+        )
+    return {
+        "topology": base.name,
+        "file": str(topology),
+        "prompts": prompts,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "concurrency": concurrency,
+        "rows": [*rows, reference_row],
+        "skipped": skipped,
+    }

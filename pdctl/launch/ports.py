@@ -1,0 +1,154 @@
+"""Per-run port allocation: every listener bind-tested, safe against concurrent pdctl runs.
+
+A port the kernel hands out is free now, but nothing stops another pdctl starting
+at the same moment from being handed the same one before either server binds it.
+So allocation runs under a host-wide file lock and records what it handed out in a
+reservation file next to the lock; reservations last until the run releases them,
+its pdctl process is gone, or `RESERVATION_S` passed (by then the servers bound).
+Fixed ports from the topology are bind-tested too, and refused when reserved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdctl.engines.base import PortSlot
+from pdctl.errors import LaunchError
+
+RESERVATION_S = 300.0
+
+
+class PortError(LaunchError):
+    """A port the run needs cannot be had; the message names it and who needs it."""
+
+
+def state_dir() -> Path:
+    """Where pdctl keeps host-wide state: $PDCTL_STATE_DIR, else XDG state home."""
+    explicit = os.environ.get("PDCTL_STATE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "pdctl"
+
+
+@contextlib.contextmanager
+def host_lock(name: str = "ports") -> Iterator[Path]:
+    directory = state_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f"{name}.lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield directory
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _load(path: Path) -> dict[int, dict[str, float]]:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    now = time.time()
+    kept = {}
+    for port, entry in raw.items():
+        if now - float(entry.get("at", 0)) < RESERVATION_S and _alive(int(entry.get("pid", 0))):
+            kept[int(port)] = entry
+    return kept
+
+
+def _save(path: Path, reservations: dict[int, dict[str, float]]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({str(k): v for k, v in sorted(reservations.items())}))
+    tmp.replace(path)
+
+
+def bind_test(host: str, port: int) -> OSError | None:
+    """None when `host:port` can be bound now, else why not."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc
+    return None
+
+
+@dataclass(frozen=True)
+class Allocation:
+    ports: dict[str, int]  # slot key -> port
+
+    def release(self) -> None:
+        """Give the reservations back (the servers hold the ports themselves now)."""
+        with host_lock() as directory:
+            path = directory / "ports.json"
+            reservations = _load(path)
+            for port in self.ports.values():
+                reservations.pop(port, None)
+            _save(path, reservations)
+
+
+def allocate(slots: Sequence[PortSlot], host: str) -> Allocation:
+    """A port for every slot: fixed ones checked, the rest chosen by the kernel."""
+    chosen: dict[str, int] = {}
+    held: list[socket.socket] = []
+    with host_lock() as directory:
+        path = directory / "ports.json"
+        reservations = _load(path)
+        try:
+            for slot in slots:
+                if slot.fixed is None:
+                    continue
+                if slot.fixed in reservations or slot.fixed in chosen.values():
+                    raise PortError(
+                        f"port {slot.fixed} ({slot.purpose}, {slot.key}) is reserved by another "
+                        "pdctl run starting on this host"
+                    )
+                problem = bind_test(host, slot.fixed)
+                if problem is not None:
+                    taken = problem.errno == errno.EADDRINUSE
+                    raise PortError(
+                        f"port {slot.fixed} ({slot.purpose}, {slot.key}) "
+                        + ("is already in use" if taken else f"cannot be bound: {problem}")
+                        + "; pick another port in the topology or leave it out to have one "
+                        "allocated"
+                    )
+                chosen[slot.key] = slot.fixed
+            for slot in slots:
+                if slot.fixed is not None:
+                    continue
+                for _ in range(200):
+                    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    sock.bind((host, 0))
+                    port = int(sock.getsockname()[1])
+                    held.append(sock)  # held open so the kernel does not hand it out twice
+                    if port not in reservations and port not in chosen.values():
+                        chosen[slot.key] = port
+                        break
+                else:
+                    raise PortError(f"no free port for {slot.purpose} ({slot.key}) on {host}")
+            now = time.time()
+            for port in chosen.values():
+                reservations[port] = {"pid": os.getpid(), "at": now}
+            _save(path, reservations)
+        finally:
+            for sock in held:
+                sock.close()
+    return Allocation(chosen)

@@ -1,0 +1,143 @@
+"""Spawning and ending the processes of a run: process groups, parent-death signals, logs.
+
+Each process starts in its own session (so its process group holds it and every
+TP rank it spawns) with its output in its own log file. Unless the run is
+detached, the kernel kills it when pdctl dies (PR_SET_PDEATHSIG), even by SIGKILL.
+Processes are ended by process group (TERM, a grace period, KILL), and only ever
+the groups this run started: never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class Spawned:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def exit_description(self) -> str | None:
+        """None while running; else 'exited with 3' or 'killed by SIGKILL'."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        return describe_exit(code)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return tail(self.log_path, lines)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with {code}"
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - 64 * 1024))
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def spawn(
+    name: str,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    log_path: Path,
+    *,
+    die_with_parent: bool = True,
+    cwd: str | None = None,
+) -> Spawned:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if die_with_parent else None,
+            cwd=cwd,
+        )
+    return Spawned(name, process, log_path)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` still exists (zombies included)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_groups(
+    pgids: Sequence[int], grace: float = 5.0, reap: Sequence[subprocess.Popen[bytes]] = ()
+) -> list[int]:
+    """TERM each group, wait up to `grace`, KILL what is left, reap; groups still alive."""
+    for pgid in pgids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        for process in reap:
+            process.poll()
+        if not any(group_alive(pgid) for pgid in pgids):
+            break
+        time.sleep(0.05)
+    for pgid in pgids:
+        if group_alive(pgid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        for process in reap:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=0.05)
+        if not any(group_alive(pgid) for pgid in pgids):
+            return []
+        time.sleep(0.05)
+    return [pgid for pgid in pgids if group_alive(pgid)]
