@@ -56,3 +56,29 @@ def test_bench_transport_quick_checks_every_byte(cli) -> None:
     assert all(row["consistent"] for row in report["rows"])
     assert all(row["gbps"] > 0 and row["p99_ms"] >= row["p50_ms"] for row in report["rows"])
     assert {"direct_vs_best_library", "direct_vs_memcpy"} <= set(report["targets"])
+
+
+def test_bench_pd_compares_pd_with_colocated(cli) -> None:
+    """Real processes: the default topology over tcp and nixl, then a colocated server."""
+    result = cli.invoke(
+        app,
+        ["bench", "pd", "--json", "--backends", "tcp,nixl", "--prompts", "2",
+         "--prompt-len", "40", "--new-tokens", "3", "--concurrency", "2"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    configs = [row["config"] for row in report["rows"]]
+    assert configs == ["PD tcp", "PD nixl", "colocated TP1"]
+    for row in report["rows"][:2]:
+        # 40 tokens -> 3 pages of 16; 4 layers x K,V x 4 heads x 32 dims x 4 bytes per token
+        assert row["kv_bytes_per_request"] == 3 * 16 * 4 * 2 * 4 * 32 * 4
+        assert row["digests_ok"] is True and row["staging"] is True
+        assert row["write_ms_mean"] > 0 and row["ttft_vs_colocated"] > 0
+        assert row["concurrent_tokens_per_s_vs_colocated"] > 0
+    assert "transfer_ms_p50" not in report["rows"][2]
+
+
+def test_bench_pd_rejects_an_unknown_backend(cli) -> None:
+    result = cli.invoke(app, ["bench", "pd", "--backends", "tcp,carrier-pigeon"])
+    assert result.exit_code == 2
+    assert "unknown transport(s) carrier-pigeon" in result.stderr

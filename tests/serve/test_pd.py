@@ -333,3 +333,40 @@ def test_corrupted_kv_is_caught_by_the_digest() -> None:
         assert "decode" in message and "KV corruption in room" in message, message
         assert "from prefill rank 0 to decode rank" in message and "(segment 0)" in message
         cluster.pools_full()
+
+
+@pytest.mark.parametrize("first", ["prefill", "decode"])
+def test_either_side_may_arrive_first(
+    fast_failing: PDCluster, reference: dict[str, list[int]], first: str
+) -> None:
+    room = 777 if first == "prefill" else 778
+    servers = {"prefill": fast_failing.prefill[0], "decode": fast_failing.decode[0]}
+    second = "decode" if first == "prefill" else "prefill"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        early = pool.submit(pd_request, servers[first], fast_failing, room)
+        time.sleep(1.0)  # well inside the 3 s bootstrap timeout
+        late = pool.submit(pd_request, servers[second], fast_failing, room)
+        responses = {first: early.result(), second: late.result()}
+    assert responses["prefill"].status_code == 200, responses["prefill"].text
+    assert responses["decode"].status_code == 200, responses["decode"].text
+    assert responses["decode"].json()["output_ids"] == reference[json.dumps(PROMPTS[1])]
+    fast_failing.pools_full()
+
+
+def test_a_client_that_leaves_mid_transfer_gives_everything_back(
+    fast_failing: PDCluster,
+) -> None:
+    """Decode waits for a room prefill never gets; the client gives up first."""
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{fast_failing.decode[0].url}/generate",
+            json={
+                "input_ids": PROMPTS[3],
+                "sampling_params": SAMPLING,
+                "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": fast_failing.bootstrap_ports[0],
+                "bootstrap_room": 888,
+            },
+            timeout=0.7,
+        )
+    fast_failing.pools_full(timeout=5.0)

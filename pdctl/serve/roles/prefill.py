@@ -14,10 +14,10 @@ from typing import Any
 
 from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.args import ServerArgs
+from pdctl.serve.bootstrap import BootstrapError, Rooms, bootstrap_app
 from pdctl.serve.engine import Engine
 from pdctl.serve.http import BadRequest, ServerContext, create_app
 from pdctl.serve.pd import protocol as proto
-from pdctl.serve.pd.bootstrap import BootstrapError, Rooms, bootstrap_app
 from pdctl.serve.pd.client import Client, run_secret
 from pdctl.serve.pd.endpoint import make_transport
 from pdctl.serve.pd.sender import KVSender

@@ -1,0 +1,86 @@
+"""The launcher core with real processes: ports, readiness layers, fail-fast, teardown."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from pdctl.engines.base import PortSlot
+from pdctl.launch.plan import load_checked, make_plan
+from pdctl.launch.ports import PortError, allocate
+from pdctl.launch.processes import group_alive
+from pdctl.launch.run import LaunchFailed, Run
+
+
+@pytest.fixture(autouse=True)
+def private_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("PDCTL_STATE_DIR", str(tmp_path / "state"))
+    yield
+
+
+def run_of(path: Path, tmp_path: Path) -> Run:
+    return Run(make_plan(load_checked(path)), tmp_path / "run")
+
+
+def test_default_topology_serves_then_leaves_nothing(
+    make_topology: Callable[..., Path], tmp_path: Path
+) -> None:
+    run = run_of(make_topology(), tmp_path)
+    run.start()
+    try:
+        run.wait_ready(timeout=120)
+        assert [s.stage for s in run.states] == ["ready"] * 3
+        assert run.canary is not None and len(run.canary["output_ids"]) == 1
+        assert run.canary["kv_transfer"]["digest_ok"] is True
+        logs = sorted(p.name for p in run.dir.glob("*.log"))
+        assert logs == [
+            "decode-0-tp0.log",
+            "decode-0-tp1.log",
+            "prefill-0-tp0.log",
+            "router-tp0.log",
+        ]
+        assert (run.dir / "run.json").exists()
+        pgids = [s.spawned.pid for s in run.states if s.spawned]
+    finally:
+        left = run.stop()
+    assert left == []
+    assert not any(group_alive(pgid) for pgid in pgids)
+
+
+def test_a_role_that_crashes_at_startup_fails_fast_with_its_log(
+    make_topology: Callable[..., Path], tmp_path: Path
+) -> None:
+    # an engine flag the server does not know: decode exits at once with argparse's message
+    path = make_topology(roles={"decode": {"tp": 1, "args": ["--no-such-flag"]}})
+    run = run_of(path, tmp_path)
+    run.start()
+    with pytest.raises(LaunchFailed) as failure:
+        run.wait_ready(timeout=60)
+    assert failure.value.summary.startswith("decode-0 (decode, pid ")
+    assert "exited with 2" in failure.value.summary
+    assert "unrecognized arguments: --no-such-flag" in failure.value.report
+    assert not any(group_alive(s.spawned.pid) for s in run.states if s.spawned)
+
+
+def test_a_taken_fixed_port_is_named(make_topology: Callable[..., Path]) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        plan = make_plan(load_checked(make_topology(router={"kind": "builtin", "port": port})))
+        slots = [slot for process in plan.processes for slot in process.ports]
+        with pytest.raises(PortError, match=rf"port {port} \(router HTTP API.*is already in use"):
+            allocate(slots, "127.0.0.1")
+
+
+def test_concurrent_allocations_never_share_a_port() -> None:
+    slots = [PortSlot("p", f"s{i}", "test") for i in range(20)]
+    first = allocate(slots, "127.0.0.1")
+    second = allocate(slots, "127.0.0.1")  # before anything binds the first run's ports
+    assert len(set(first.ports.values())) == 20
+    assert not set(first.ports.values()) & set(second.ports.values())
+    first.release()
+    second.release()
