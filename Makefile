@@ -38,6 +38,8 @@ bench: setup
 	$(PDCTL) bench staging
 	$(PDCTL) bench transport
 	$(PDCTL) bench engine
+	$(PY) benchmarks/launch_times.py
+	$(PDCTL) bench pd
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

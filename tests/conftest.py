@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,12 @@ def make_topology(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Runs started by tests are recorded in a private state dir, never the user's."""
+    os.environ["PDCTL_STATE_DIR"] = str(tmp_path_factory.mktemp("pdctl-state"))
 
 
 @pytest.fixture

@@ -10,8 +10,12 @@ from pdctl import __version__
 from pdctl.cli.bench import bench_app
 from pdctl.cli.common import JsonOption, Options, PdctlGroup, QuietOption, VerboseOption, options
 from pdctl.cli.doctor import doctor
+from pdctl.cli.down import down
+from pdctl.cli.logs import logs
 from pdctl.cli.plan import plan
 from pdctl.cli.schema import schema
+from pdctl.cli.status import status
+from pdctl.cli.up import up
 from pdctl.cli.validate import validate
 
 app = typer.Typer(
@@ -50,6 +54,10 @@ def main_callback(
 app.command()(validate)
 app.command()(schema)
 app.command()(plan)
+app.command()(up)
+app.command()(status)
+app.command()(logs)
+app.command()(down)
 app.command()(doctor)
 app.add_typer(bench_app, name="bench")
 

@@ -93,25 +93,49 @@ def spawn(
     return Spawned(name, process, log_path)
 
 
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (state is [0]), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot: with the PID, its identity."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of group `pgid`."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat(int(entry))
+            if fields and int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
 def group_alive(pgid: int) -> bool:
-    """Whether any process of group `pgid` still exists (zombies included)."""
+    """Whether any process of group `pgid` still runs (zombies waiting to be reaped do not)."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return bool(group_members(pgid))
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def pid_alive(pid: int, started: int | None = None) -> bool:
+    """Whether `pid` runs (and, given `started`, is still the same process, not a reuse)."""
+    fields = _stat(pid)
+    if fields is None or fields[0] == "Z":
         return False
-    except PermissionError:
-        return True
-    return True
+    return started is None or int(fields[19]) == started
 
 
 def stop_groups(

@@ -12,9 +12,11 @@ that nothing of it is left.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,9 +27,10 @@ import httpx
 
 from pdctl.engines.base import render_command
 from pdctl.errors import LaunchError
+from pdctl.launch import state as run_state
 from pdctl.launch.plan import LaunchPlan, ProcessPlan
 from pdctl.launch.ports import Allocation, allocate
-from pdctl.launch.processes import Spawned, spawn, stop_groups
+from pdctl.launch.processes import Spawned, spawn, start_time, stop_groups
 from pdctl.topology.resolve import RUN_ID_VAR, RUN_SECRET_VAR
 
 STAGES = ("starting", "alive", "healthy", "ready")
@@ -88,6 +91,7 @@ class Run:
         self.states: list[ProcessState] = []
         self.canary: dict[str, Any] | None = None
         self.started_at = time.time()
+        self.state_path: Path | None = None
 
     # -- what the run is -------------------------------------------------------------
     @property
@@ -126,6 +130,7 @@ class Run:
             "pdctl_pid": os.getpid(),
             "detached": self.detach,
             "router_url": self.router_url if self.ports else None,
+            "canary": self.canary,
             "ports": self.ports,
             "processes": [
                 {
@@ -135,6 +140,7 @@ class Run:
                     "url": s.url,
                     "pid": s.spawned.pid if s.spawned else None,
                     "pgid": s.spawned.pid if s.spawned else None,
+                    "start_time": start_time(s.spawned.pid) if s.spawned else None,
                     "titles": [r.title for r in s.plan.ranks],
                     "log": str(s.spawned.log_path) if s.spawned else None,
                     "stage": s.stage,
@@ -146,11 +152,19 @@ class Run:
         }
 
     def write_state(self) -> Path:
+        """run.json in the run directory, and the host-wide record `status` reads."""
+        data = self.to_json()
         path = self.dir / "run.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2))
+        tmp.write_text(json.dumps(data, indent=2))
         tmp.replace(path)
+        self.state_path = run_state.save(data)
         return path
+
+    def watch(self, stop: threading.Event, interval: float = 0.2) -> None:
+        """While up: return when `stop` is set; raise LaunchFailed when a process exits."""
+        while not stop.wait(interval):
+            self.check_exits()
 
     # -- start -----------------------------------------------------------------------
     def start(self) -> None:
@@ -346,4 +360,7 @@ class Run:
         left = stop_groups([p.pid for p in spawned], grace, [p.process for p in spawned])
         if self.allocation is not None:
             self.allocation.release()
+        if self.state_path is not None and not left:
+            with contextlib.suppress(FileNotFoundError):
+                self.state_path.unlink()
         return [p.name for p in spawned if p.pid in left]

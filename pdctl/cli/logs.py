@@ -1,0 +1,74 @@
+"""`pdctl logs [NAME] [PROCESS] [-f] [-n N]`: the log files of a run."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pdctl import console
+from pdctl.cli.common import QuietOption, VerboseOption, options
+from pdctl.errors import UsageError
+from pdctl.launch import state
+from pdctl.launch.processes import tail
+
+
+def logs(
+    ctx: typer.Context,
+    name: Annotated[
+        str | None, typer.Argument(help="A run or topology name (default: the newest run).")
+    ] = None,
+    process: Annotated[
+        str | None,
+        typer.Argument(help="A role or process (prefill, decode-0, router, ...); default all."),
+    ] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing.")] = False,
+    lines: Annotated[int, typer.Option("-n", "--lines", min=0, help="Lines per log.")] = 40,
+    verbose: VerboseOption = 0,
+    quiet: QuietOption = False,
+) -> None:
+    """Print the last lines of each process's log (every TP rank has its own)."""
+    options(ctx, False, verbose, quiet)
+    runs = state.select(name)
+    if not runs:
+        raise UsageError(
+            f"no run named {name!r} on this host" if name else "no run on this host",
+            hint="`pdctl status` lists them; logs of ended runs stay in their run directory",
+        )
+    run = runs[-1]
+    directory = Path(str(run.data["run_dir"]))
+    files = sorted(directory.glob("*.log"))
+    if process is not None:
+        files = [f for f in files if f.name.startswith(process)]
+        if not files:
+            known = sorted({f.name.rsplit("-tp", 1)[0] for f in directory.glob("*.log")})
+            raise UsageError(
+                f"run {run.name} has no process {process!r}", hint=f"choose from {', '.join(known)}"
+            )
+    for path in files:
+        console.out.print(f"==> {path} <==", markup=False, highlight=False)
+        text = tail(path, lines)
+        if text:
+            console.out.print(text, markup=False, highlight=False)
+    if not follow:
+        return
+    offsets = {path: path.stat().st_size for path in files}
+    try:
+        while True:
+            for path in files:
+                size = path.stat().st_size
+                if size > offsets[path]:
+                    with open(path, "rb") as handle:
+                        handle.seek(offsets[path])
+                        chunk = handle.read().decode(errors="replace")
+                    offsets[path] = size
+                    for line in chunk.splitlines():
+                        console.out.print(f"{path.stem}| {line}", markup=False, highlight=False)
+            if run.stale:
+                console.info(f"{run.name} has stopped")
+                return
+            time.sleep(0.3)
+    except KeyboardInterrupt:
+        return
