@@ -237,3 +237,24 @@ def test_stale_records_are_reported_and_never_signalled(env: dict[str, str]) -> 
     status = pdctl(env, "status")
     assert "no process of this run is alive" in status.stderr
     assert not (directory / "ghost.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "devices"),
+    [
+        ("xpu-nightly-2-gpu", "2 xpu"),
+        ("xpu-manual-nixl-staging", "3 xpu"),
+        ("cuda-2gpu-p1d2-mooncake-staging", "2 cuda"),
+    ],
+)
+def test_catalog_accelerator_topologies_skip_cleanly(
+    env: dict[str, str], name: str, devices: str
+) -> None:
+    """SGLang and GPU topologies say what is missing here and start nothing (exit 4)."""
+    result = pdctl(env, "up", str(Path(__file__).parents[2] / "topologies" / f"{name}.yaml"))
+    assert result.returncode == 4, result.stderr
+    assert f"{name} cannot run on this machine: needs {devices} device(s)" in result.stderr
+    if name.startswith("xpu"):
+        assert "needs the Python module sglang (engine: sglang)" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert runs(env) == []
