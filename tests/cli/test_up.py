@@ -70,8 +70,15 @@ def test_up_detach_status_logs_down(
     missing = pdctl(env, "logs", "test-topology", "encoder")
     assert missing.returncode == 2 and "has no process 'encoder'" in missing.stderr
 
+    follower = subprocess.Popen(
+        [*PDCTL, "logs", "test-topology", "router", "-f", "-n", "1"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(1.0)
     down = pdctl(env, "down", "test-topology")
     assert down.returncode == 0, down.stderr
+    out, err = follower.communicate(timeout=10)  # -f ends by itself once the run is down
+    assert "router-tp0.log" in out and "has stopped" in err
     assert "stopped " in down.stderr
     assert not any(group_alive(g) for g in pgids)
     assert runs(env) == []
