@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pdctl.serve.faults import faults
 from pdctl.serve.model import Piece
 from pdctl.serve.request import Event, Phase, Request
 from pdctl.serve.sampling import TokenChoice, choose, generator_for
@@ -150,6 +151,7 @@ class Engine:
                 future.set_exception(exc)
 
     def _accept(self, request: Request) -> None:
+        faults().request_arrived()  # fault injection (kill-role); off unless asked for
         problem = self.scheduler.admission_problem(request)
         if problem:
             request.sink(Event(request.rid, error=problem))

@@ -28,6 +28,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from pdctl.serve.args import ServerArgs
+from pdctl.serve.faults import faults
 from pdctl.serve.schemas import error_body
 
 log = logging.getLogger("pdctl.serve")
@@ -218,6 +219,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         )
         if not state.ready:
             return JSONResponse(error_body(state.not_ready_reason(), status=503), status_code=503)
+        faults().request_arrived()  # fault injection (kill-role); off unless asked for
         state.counters["requests"] += 1
         if body.get("stream"):
             return StreamingResponse(

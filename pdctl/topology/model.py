@@ -252,6 +252,36 @@ class VerifySpec(Strict):
     seed: int = Field(0, ge=0, description="Seed of the workload.")
 
 
+FAULT_NAMES = ("corrupt-kv", "drop-scatter", "delay-transfer", "kill-role", "corrupt-embedding")
+
+
+def _fault_shorthand(value: Any) -> Any:
+    """`- corrupt-kv` is short for `- {name: corrupt-kv}`."""
+    return {"name": value} if isinstance(value, str) else value
+
+
+class FaultSpec(Strict):
+    """A fault the servers inject on purpose, to prove `pdctl verify` catches it."""
+
+    name: Literal[
+        "corrupt-kv", "drop-scatter", "delay-transfer", "kill-role", "corrupt-embedding"
+    ] = Field(
+        description="corrupt-kv: flip KV bytes after prefill digested them; drop-scatter: "
+        "decode skips a scatter; delay-transfer: prefill waits past the transfer timeout; "
+        "kill-role: a role dies after some requests; corrupt-embedding: encoder only."
+    )
+    every: int = Field(1, ge=1, le=1_000_000, description="Every Nth transfer (1: all).")
+    after: int = Field(
+        3, ge=0, le=1_000_000, description="kill-role: die once this many requests finished."
+    )
+    role: Literal["prefill", "decode", "encoder", "router"] = Field(
+        "decode", description="kill-role: which role dies."
+    )
+    seconds: float | None = Field(
+        None, gt=0, le=3600, description="delay-transfer: how long (default: past the timeout)."
+    )
+
+
 class Topology(Strict):
     """A prefill/decode serving topology: roles, transfer, router, checks."""
 
@@ -283,6 +313,11 @@ class Topology(Strict):
     serving: ServingSpec = Field(default_factory=ServingSpec, description="Engine settings.")
     launcher: Annotated[LauncherSpec, BeforeValidator(_kind_shorthand)] = Field(
         default_factory=LauncherSpec, description="local, or a mapping."
+    )
+    faults: list[Annotated[FaultSpec, BeforeValidator(_fault_shorthand)]] = Field(
+        default_factory=list,
+        description="Faults injected on purpose (off unless listed here or given with "
+        "`pdctl verify --inject`).",
     )
 
     @property

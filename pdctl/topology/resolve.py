@@ -14,6 +14,7 @@ Device assignment, for a role without explicit `devices` on an accelerator:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -135,6 +136,26 @@ def merged_user_env(topology: Topology, role: str) -> dict[str, str]:
     return merged
 
 
+FAULTS_VAR = "PDCTL_FAULTS"
+# fault -> the role that injects it (kill-role: the role it names)
+FAULT_ROLES = {
+    "corrupt-kv": "prefill",
+    "delay-transfer": "prefill",
+    "drop-scatter": "decode",
+    "corrupt-embedding": "encoder",
+}
+
+
+def faults_of(topology: Topology, role: str) -> list[dict[str, object]]:
+    """The faults `role` must inject, as the JSON its servers read from PDCTL_FAULTS."""
+    found = []
+    for fault in topology.faults:
+        target = fault.role if fault.name == "kill-role" else FAULT_ROLES[fault.name]
+        if target == role:
+            found.append(fault.model_dump(exclude_none=True))
+    return found
+
+
 def base_env(topology: Topology, role: str, devices: tuple[int, ...]) -> list[EnvEntry]:
     """Environment layers common to every engine, lowest precedence first.
 
@@ -151,6 +172,9 @@ def base_env(topology: Topology, role: str, devices: tuple[int, ...]) -> list[En
         merged[visibility] = EnvEntry(visibility, value, f"roles.{role}.devices")
     merged[RUN_ID_VAR] = EnvEntry(RUN_ID_VAR, "<per run>", "pdctl")
     merged[RUN_SECRET_VAR] = EnvEntry(RUN_SECRET_VAR, "", "pdctl", secret=True)
+    faults = faults_of(topology, role)
+    if faults:
+        merged[FAULTS_VAR] = EnvEntry(FAULTS_VAR, json.dumps(faults), "faults")
     return list(merged.values())
 
 

@@ -280,6 +280,29 @@ def check_requirements(topology: Topology, context: RuleContext) -> Iterator[Iss
     requirements(topology)  # derivation must not fail on any valid topology
 
 
+def check_faults(topology: Topology, context: RuleContext) -> Iterator[Issue]:
+    """Faults must have something to act on, and the embedded engine to act."""
+    for index, fault in enumerate(topology.faults):
+        where = ("faults", index)
+        if topology.engine != "embedded":
+            yield Issue(
+                (*where, "name"),
+                f"fault injection needs engine: embedded (this topology runs {topology.engine})",
+                "faults are implemented in pdctl's own servers",
+            )
+        needs_encoder = fault.name == "corrupt-embedding" or (
+            fault.name == "kill-role" and fault.role == "encoder"
+        )
+        if needs_encoder and topology.roles.encoder is None:
+            yield Issue((*where, "name"), f"{fault.name} needs an encoder role")
+        if fault.name == "drop-scatter" and not topology.uses_staging:
+            yield Issue(
+                (*where, "name"),
+                "drop-scatter needs staging (prefill TP differs from decode TP, staging on)",
+                "with equal TP the pages go directly and there is no scatter to drop",
+            )
+
+
 RULES: tuple[Rule, ...] = (
     check_model,
     check_tp,
@@ -292,6 +315,7 @@ RULES: tuple[Rule, ...] = (
     check_requirements,
     transfer_rules,
     env_rules,
+    check_faults,
 )
 
 

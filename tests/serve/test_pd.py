@@ -326,7 +326,7 @@ def test_router_names_the_dead_side() -> None:
 
 def test_corrupted_kv_is_caught_by_the_digest() -> None:
     """A byte flipped after prefill took its digests: decode refuses the KV and says where."""
-    with pd_cluster(backend="tcp", prefill_env={"PDCTL_FAULT": "corrupt-staging"}) as cluster:
+    with pd_cluster(backend="tcp", prefill_env={"PDCTL_FAULTS": '[{"name": "corrupt-kv"}]'}) as cluster:
         response = httpx.post(
             f"{cluster.url}/generate",
             json={"input_ids": PROMPTS[0], "sampling_params": SAMPLING},

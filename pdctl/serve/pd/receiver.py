@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
+from pdctl.serve.faults import faults
 from pdctl.serve.kv_pool import KVPool
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import Client, PeerCallError
@@ -267,6 +268,7 @@ class KVReceiver:
                 len(pages), self.kv.page_size, layout.bytes_per_token(), self.segment_bytes
             )
             offered: dict[int, Region] = {}
+            drop = faults().hit("drop-scatter") is not None  # fault injection
             # Register at once, even with the ring full: prefill serves each decode rank
             # as it registers, and regions are offered as they free.
             with self.lock:
@@ -283,7 +285,7 @@ class KVReceiver:
                 expected = self._await(room, segment.index, layout, wait, bootstrap)
                 with self.lock:
                     mismatch = handler.check_digests(region, segment, expected)
-                    if mismatch is None:
+                    if mismatch is None and not (drop and segment.index == 0):
                         handler.scatter(room, region, segment)
                         handler.reap(room)
                 if mismatch is not None:

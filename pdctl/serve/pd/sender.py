@@ -17,8 +17,8 @@ are reported with the decode rank they concern.
 from __future__ import annotations
 
 import base64
+import ctypes
 import logging
-import os
 import queue
 import threading
 import time
@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from pdctl.serve.faults import faults
 from pdctl.serve.kv_pool import KVPool
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import PeerCallError
@@ -72,9 +73,6 @@ class KVSender:
         self.transport, self.snapshot, self.report = transport, snapshot, report
         self.bootstrap_timeout, self.transfer_timeout = bootstrap_timeout, transfer_timeout
         self.segment_bytes = segment_bytes
-        # Fault injection for proving the digest check (`pdctl verify` and the tests):
-        # PDCTL_FAULT=corrupt-staging flips one byte after the digests were taken.
-        self.corrupt = os.environ.get("PDCTL_FAULT") == "corrupt-staging"
         device = kv.kv.device
         self.buffers: queue.SimpleQueue[Any] = queue.SimpleQueue()
         for buffer in init_staging_buffers(
@@ -153,6 +151,12 @@ class KVSender:
     def _send(self, room: int, pages: list[int], num_tokens: int) -> dict[str, Any]:
         deadline = time.monotonic() + self.bootstrap_timeout
         decode_tp = self._registration(room, None, deadline).decode_tp
+        corrupt = faults().hit("corrupt-kv") is not None
+        delay = faults().hit("delay-transfer")
+        if delay is not None:  # decode is waiting now; hold the room past its timeout
+            time.sleep(
+                float(delay.get("seconds") or self.bootstrap_timeout + self.transfer_timeout + 2)
+            )
         total, segments, busy = 0, 0, 0.0
         for decode_rank in range(decode_tp):
             slices = head_slices(self.heads, self.tp, decode_tp, decode_rank)
@@ -165,9 +169,13 @@ class KVSender:
             )
             started = time.perf_counter()
             if registration.mode == "staging":
-                sent, count, waited = self._staged(room, pages, registration, layout, mine[0])
+                sent, count, waited = self._staged(
+                    room, pages, registration, layout, mine[0], corrupt
+                )
             else:
-                sent, count = self._direct(room, pages, num_tokens, registration, layout, mine[0])
+                sent, count = self._direct(
+                    room, pages, num_tokens, registration, layout, mine[0], corrupt
+                )
                 waited = 0.0
             busy += time.perf_counter() - started - waited
             total, segments = total + sent, segments + count
@@ -209,6 +217,7 @@ class KVSender:
         reg: proto.Registration,
         layout: StagingLayout,
         writer: int,
+        corrupt: bool = False,
     ) -> tuple[int, int, float]:
         piece = layout.slices[writer]
         peer = self._peer(reg)
@@ -228,7 +237,7 @@ class KVSender:
             )
             with self._buffer() as buffer:
                 nbytes, digests = self._gather(buffer, chunk, piece)
-                if self.corrupt:
+                if corrupt and segment.index == 0:  # fault injection: after the digests
                     buffer.view(0, nbytes)[nbytes // 2] ^= 0x5A
                 message = proto.notify_message(room, segment.index, self.rank, digests, nbytes)
                 self.transport.write(peer, [buffer.ptr], [destination], [nbytes], notify=message)
@@ -261,6 +270,7 @@ class KVSender:
         reg: proto.Registration,
         layout: StagingLayout,
         writer: int,
+        corrupt: bool = False,
     ) -> tuple[int, int]:
         piece = layout.slices[writer]
         peer = self._peer(reg)
@@ -291,8 +301,19 @@ class KVSender:
             [d for part in digests for d in part],
             int(lengths.sum()),
         )
-        self.transport.write(peer, src, dst, lengths, notify=message)
+        if not corrupt:
+            self.transport.write(peer, src, dst, lengths, notify=message)
+        else:  # fault injection: one byte of decode's first page, then the notification
+            self.transport.write(peer, src, dst, lengths)
+            self._corrupt_remote(peer, int(src[0]), int(dst[0]), message)
         return int(lengths.sum()), 0
+
+    def _corrupt_remote(self, peer: Peer, src: int, dst: int, notify: bytes) -> None:
+        """Overwrite the byte at `dst` with the byte at `src` (just sent there) flipped."""
+        sent = ctypes.c_uint8.from_address(src).value
+        with self._buffer() as buffer:
+            buffer.view(0, 1)[0] = sent ^ 0x5A
+            self.transport.write(peer, [buffer.ptr], [dst], [1], notify=notify)
 
     def _token_descriptors(
         self, pages: list[int], reg: proto.Registration, piece: HeadSlice, num_tokens: int

@@ -1,0 +1,81 @@
+"""Faults injected on purpose, so that `pdctl verify` is proven to catch them.
+
+Off unless the launcher sets PDCTL_FAULTS (a JSON list, from the topology's
+`faults:` or `pdctl verify --inject`). Each server reads only the faults meant for
+its role: prefill `corrupt-kv` (flip a byte of a room's KV after the digests were
+taken) and `delay-transfer` (hold a room past decode's timeout), decode
+`drop-scatter` (skip a room's first scatter), any role `kill-role` (SIGKILL itself
+when a request arrives after `after` were accepted). `every` picks every Nth room.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+log = logging.getLogger("pdctl.serve")
+FAULTS_VAR = "PDCTL_FAULTS"
+
+
+class Faults:
+    def __init__(self, specs: list[dict[str, Any]]) -> None:
+        self.specs = {str(s["name"]): s for s in specs}
+        self.counts: dict[str, int] = {}
+        self.lock = threading.Lock()
+        for name in self.specs:
+            log.warning("fault injection is ON: %s", self.specs[name])
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        raw = os.environ.get(FAULTS_VAR, "")
+        if not raw:
+            return cls([])
+        try:
+            specs = json.loads(raw)
+            if not isinstance(specs, list):
+                raise ValueError("not a list")
+        except ValueError as exc:
+            raise SystemExit(f"{FAULTS_VAR} is not a JSON list of faults: {exc}") from None
+        return cls(specs)
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    def hit(self, name: str) -> dict[str, Any] | None:
+        """The fault's spec when this occurrence (1-based) is every `every`th, else None."""
+        spec = self.specs.get(name)
+        if spec is None:
+            return None
+        with self.lock:
+            count = self.counts[name] = self.counts.get(name, 0) + 1
+        if count % int(spec.get("every", 1)) == 0:
+            log.warning("injecting fault %s (occurrence %d)", name, count)
+            return spec
+        return None
+
+    def request_arrived(self) -> None:
+        """kill-role: die (SIGKILL, like an OOM kill) on the first request past `after`."""
+        spec = self.specs.get("kill-role")
+        if spec is None:
+            return
+        with self.lock:
+            seen = self.counts["kill-role"] = self.counts.get("kill-role", 0) + 1
+        if seen > int(spec.get("after", 3)):
+            log.warning("injecting fault kill-role at request %d: SIGKILL", seen)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+_faults: Faults | None = None
+
+
+def faults() -> Faults:
+    """This process's faults (read once from the environment)."""
+    global _faults
+    if _faults is None:
+        _faults = Faults.from_env()
+    return _faults
