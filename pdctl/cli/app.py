@@ -17,6 +17,7 @@ from pdctl.cli.schema import schema
 from pdctl.cli.status import status
 from pdctl.cli.up import up
 from pdctl.cli.validate import validate
+from pdctl.cli.verify import verify
 
 app = typer.Typer(
     cls=PdctlGroup,
@@ -58,6 +59,7 @@ app.command()(up)
 app.command()(status)
 app.command()(logs)
 app.command()(down)
+app.command()(verify)
 app.command()(doctor)
 app.add_typer(bench_app, name="bench")
 

@@ -24,6 +24,7 @@ from pdctl.serve.faults import faults
 from pdctl.serve.kv_pool import KVPool
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import Client, PeerCallError
+from pdctl.staging import device as dev
 from pdctl.staging.allocator import Region
 from pdctl.staging.buffer import StagingRing, init_staging_allocator, init_staging_buffers
 from pdctl.staging.descriptors import tensor_ptr
@@ -285,8 +286,14 @@ class KVReceiver:
                 expected = self._await(room, segment.index, layout, wait, bootstrap)
                 with self.lock:
                     mismatch = handler.check_digests(region, segment, expected)
-                    if mismatch is None and not (drop and segment.index == 0):
-                        handler.scatter(room, region, segment)
+                    if mismatch is None:
+                        if not (drop and segment.index == 0):
+                            handler.scatter(room, region, segment)
+                        dev.synchronize_stream(handler.scatter_stream)
+                        self._verify_pages(
+                            room, pages, layout, (segment,), expected,
+                            f"after the scatter of segment {segment.index}",
+                        )  # fmt: skip
                         handler.reap(room)
                 if mismatch is not None:
                     raise ReceiveFailed(
@@ -372,19 +379,21 @@ class KVReceiver:
             len(pages), self.kv.page_size, layout.bytes_per_token(), self.segment_bytes
         )
         with self.lock:
-            self._verify_direct(room, pages, layout, plan, expected)
+            self._verify_pages(room, pages, layout, plan, expected, "direct write")
         nbytes = len(pages) * self.kv.page_size * layout.bytes_per_token()
         return {"bytes": nbytes, "segments": 0, "staging": False}
 
-    def _verify_direct(
+    def _verify_pages(
         self,
         room: int,
         pages: list[int],
         layout: StagingLayout,
         plan: tuple[Segment, ...],
         expected: list[list[int]],
+        where: str,
     ) -> None:
-        """Gather what landed in the pages and compare with the writers' digests."""
+        """Gather what is in the room's pages for `plan`'s segments and compare it with
+        the writers' digests: proof that the KV landed in the pages, not only the ring."""
         layers = len(self.kv.k_buffers)
         for writer, piece in enumerate(layout.slices):
             received = []
@@ -405,5 +414,5 @@ class KVReceiver:
                 raise ReceiveFailed(
                     f"KV corruption in room {room}: layer {(index // 2) % layers} "
                     f"{'KV'[index % 2]} from prefill rank {piece.prefill_rank} to decode rank "
-                    f"{self.rank} (direct write)"
+                    f"{self.rank} ({where})"
                 )

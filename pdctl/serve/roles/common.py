@@ -53,6 +53,9 @@ def server_info(rank: Rank) -> dict[str, Any]:
     }
 
 
+GRACE_S = 2
+
+
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:  # signals are handled once for all servers
@@ -60,14 +63,25 @@ class _Server(uvicorn.Server):
 
 
 def run_servers(apps: list[tuple[FastAPI, str, int]]) -> None:
-    """Serve every app until SIGTERM or SIGINT, in one event loop."""
+    """Serve every app until SIGTERM or SIGINT, in one event loop.
+
+    Requests still waiting (a KV transfer, a long generation) get GRACE_S to finish;
+    a second signal ends the servers at once.
+    """
     servers = [
-        _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+        _Server(
+            uvicorn.Config(
+                app, host=host, port=port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=GRACE_S,
+            )
+        )
         for app, host, port in apps
-    ]
+    ]  # fmt: skip
 
     def stop(*_: object) -> None:
         for server in servers:
+            if server.should_exit:
+                server.force_exit = True
             server.should_exit = True
 
     signal.signal(signal.SIGTERM, stop)

@@ -1,0 +1,1 @@
+"""`pdctl verify`: token-exact checks of a PD topology, with diagnosis and reports."""

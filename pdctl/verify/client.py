@@ -1,0 +1,121 @@
+"""One verify request over HTTP, and what came back (or why nothing did)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from pdctl.verify.workload import Prompt
+
+TOP = 5
+
+
+@dataclass
+class Result:
+    prompt: Prompt
+    ok: bool
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # per position, best first
+    cached_tokens: int = 0
+    kv_transfer: dict[str, Any] | None = None
+    latency_ms: float = 0.0
+    error: str | None = None
+    status: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.prompt.id,
+            "kind": self.prompt.kind,
+            "ok": self.ok,
+            "status": self.status,
+            "output_ids": self.output_ids,
+            "cached_tokens": self.cached_tokens,
+            "kv_transfer": self.kv_transfer,
+            "latency_ms": round(self.latency_ms, 2),
+            "error": self.error,
+        }
+
+
+def request_body(prompt: Prompt, max_new_tokens: int) -> dict[str, Any]:
+    return {
+        **prompt.body(),
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+        "return_logprob": True,
+        "top_logprobs_num": TOP,
+    }
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    return str(error or body)[:500]
+
+
+def generate(
+    client: httpx.Client, url: str, prompt: Prompt, max_new_tokens: int, timeout: float
+) -> Result:
+    started = time.perf_counter()
+    try:
+        response = client.post(
+            f"{url}/generate", json=request_body(prompt, max_new_tokens), timeout=timeout
+        )
+    except httpx.TimeoutException:
+        return Result(
+            prompt,
+            False,
+            latency_ms=(time.perf_counter() - started) * 1e3,
+            error=f"no answer within {timeout:g} s",
+        )
+    except httpx.HTTPError as exc:
+        return Result(
+            prompt,
+            False,
+            latency_ms=(time.perf_counter() - started) * 1e3,
+            error=f"the router at {url} is unreachable: {type(exc).__name__}: {exc}",
+        )
+    latency = (time.perf_counter() - started) * 1e3
+    if response.status_code != 200:
+        return Result(
+            prompt,
+            False,
+            latency_ms=latency,
+            error=_error_text(response),
+            status=response.status_code,
+        )
+    body = response.json()
+    meta = body.get("meta_info", {})
+    token_lps = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    return Result(
+        prompt,
+        True,
+        output_ids=list(body.get("output_ids", [])),
+        logprobs=[float(entry[0]) for entry in token_lps],
+        top=[[(int(e[1]), float(e[0])) for e in position or []] for position in tops],
+        cached_tokens=int(meta.get("cached_tokens", 0) or 0),
+        kv_transfer=meta.get("kv_transfer"),
+        latency_ms=latency,
+        status=200,
+    )
+
+
+def flush(client: httpx.Client, urls: list[str]) -> list[str]:
+    """POST /flush_cache to each server; problems, if any (a router may not have it)."""
+    problems = []
+    for url in urls:
+        try:
+            response = client.post(f"{url}/flush_cache", timeout=30)
+            if response.status_code >= 400:
+                problems.append(f"{url}/flush_cache answered {response.status_code}")
+        except httpx.HTTPError as exc:
+            problems.append(f"{url}/flush_cache: {type(exc).__name__}")
+    return problems

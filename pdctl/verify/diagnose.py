@@ -1,0 +1,157 @@
+"""Compare two runs of the same prompts token by token, and say what a difference means.
+
+Token ids are compared, never text. A mismatch is diagnosed at its first divergent
+position with the tokens around it and both runs' top-5 logprobs there:
+- **near-tie**: the baseline's two best candidates were closer than the margin
+  threshold, so numerical noise may pick either (only an engine that is not
+  batch-invariant can show this; the embedded engine never should);
+- **divergence**: a clear margin, so the model saw different inputs: the KV or
+  its transfer is wrong;
+- **nondeterministic**: the same serial run, repeated, differs: the engine, not PD;
+- **kv-corruption**: a digest of the KV differs between prefill and decode (named
+  layer, decode rank);
+- **request-failed**: the request errored or timed out (named role);
+- **cache-miss**: the prefix-hit pass reused no cached token.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdctl.verify.client import Result
+
+CONTEXT = 3
+KV_CORRUPTION = re.compile(
+    r"KV corruption in room (?P<room>\d+): layer (?P<layer>\d+) (?P<kv>[KV]) from prefill rank "
+    r"(?P<prefill>\d+) to decode rank (?P<decode>\d+)(?: \((?P<where>[^)]*)\))?"
+)
+ROLES = ("prefill", "decode", "router", "encoder")
+
+
+@dataclass
+class Finding:
+    pass_name: str
+    request: str
+    classification: str
+    message: str
+    position: int | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pass": self.pass_name,
+            "request": self.request,
+            "classification": self.classification,
+            "message": self.message,
+            "position": self.position,
+            "evidence": self.evidence,
+        }
+
+
+def failed_role(error: str) -> str:
+    """The role an error message blames: the first role word in it, else the router."""
+    found = [(error.find(role), role) for role in ROLES if role in error]
+    return min(found)[1] if found else "router"
+
+
+def request_failure(pass_name: str, result: Result) -> Finding:
+    error = result.error or "unknown error"
+    corruption = KV_CORRUPTION.search(error)
+    if corruption:
+        return Finding(
+            pass_name,
+            result.prompt.id,
+            "kv-corruption",
+            f"KV corruption: layer {corruption['layer']} {corruption['kv']}, prefill rank "
+            f"{corruption['prefill']} -> decode rank {corruption['decode']}, "
+            f"{corruption['where'] or 'in the ring'} (room {corruption['room']})",
+            evidence={
+                "layer": int(corruption["layer"]),
+                "kv": corruption["kv"],
+                "prefill_rank": int(corruption["prefill"]),
+                "decode_rank": int(corruption["decode"]),
+                "where": corruption["where"] or "in the ring",
+                "error": error,
+            },
+        )
+    role = failed_role(error)
+    return Finding(
+        pass_name,
+        result.prompt.id,
+        "request-failed",
+        f"{role} failed: {error}",
+        evidence={"role": role, "status": result.status, "error": error},
+    )
+
+
+def _top(result: Result, position: int) -> list[list[float | int]]:
+    if position < len(result.top):
+        return [[token, round(lp, 6)] for token, lp in result.top[position]]
+    return []
+
+
+def _margin(result: Result, position: int) -> float | None:
+    if position < len(result.top) and len(result.top[position]) >= 2:
+        return result.top[position][0][1] - result.top[position][1][1]
+    return None
+
+
+def compare(
+    pass_name: str, baseline: Result, other: Result, near_tie: float, repeat: bool = False
+) -> Finding | None:
+    """None when `other` has the baseline's tokens, else the diagnosis."""
+    a, b = baseline.output_ids, other.output_ids
+    if a == b:
+        return None
+    position = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if position is None:  # one is a prefix of the other
+        position = min(len(a), len(b))
+    margins = [m for m in (_margin(baseline, position), _margin(other, position)) if m is not None]
+    margin = min(margins) if margins else None
+    if repeat:
+        classification = "nondeterministic"
+    elif margin is not None and margin < near_tie:
+        classification = "near-tie"
+    else:
+        classification = "divergence"
+    lo, hi = max(0, position - CONTEXT), position + CONTEXT + 1
+    expected = a[position] if position < len(a) else None
+    got = b[position] if position < len(b) else None
+    what = {
+        "nondeterministic": "the engine is not deterministic (a serial run repeated differs)",
+        "near-tie": f"near-tie (margin {margin:.4g} < {near_tie:g}): numerical noise, not PD",
+        "divergence": "divergence with a clear margin"
+        + (f" ({margin:.4g})" if margin is not None else "")
+        + ": the KV or its transfer is wrong",
+    }[classification]
+    return Finding(
+        pass_name,
+        other.prompt.id,
+        classification,
+        f"token {position}: expected {expected}, got {got}; {what}",
+        position=position,
+        evidence={
+            "expected": a[lo:hi],
+            "got": b[lo:hi],
+            "window_start": lo,
+            "baseline_top5": _top(baseline, position),
+            "run_top5": _top(other, position),
+            "margin": None if margin is None else round(margin, 6),
+            "near_tie_threshold": near_tie,
+        },
+    )
+
+
+def digest_problems(pass_name: str, result: Result) -> Finding | None:
+    transfer = result.kv_transfer
+    if result.ok and transfer is not None and transfer.get("digest_ok") is False:
+        return Finding(
+            pass_name,
+            result.prompt.id,
+            "kv-corruption",
+            "a KV digest differs between prefill and decode",
+            evidence={"kv_transfer": transfer},
+        )
+    return None

@@ -1,0 +1,138 @@
+"""Verify reports: the JSON document (docs/verify-report.schema.json) and JUnit XML."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdctl import __version__
+from pdctl.verify.diagnose import Finding
+from pdctl.verify.runner import PASSES, PassResult
+
+SCHEMA_VERSION = 1
+DISTRIBUTIONS = (
+    "torch",
+    "triton",
+    "mooncake-transfer-engine",
+    "mooncake-transfer-engine-non-cuda",
+    "nixl",
+    "nixl-cu12",
+    "sglang",
+    "sglang-router",
+    "httpx",
+)
+
+
+def versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {"pdctl": __version__, "python": platform.python_version()}
+    for name in DISTRIBUTIONS:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+@dataclass
+class Report:
+    verdict: str  # pass | fail | error | skipped
+    target: dict[str, Any]
+    settings: dict[str, Any]
+    workload: dict[str, Any]
+    passes: list[PassResult] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    blocking: list[Finding] = field(default_factory=list)
+    topology: dict[str, Any] | None = None
+    environment: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    logs: dict[str, str] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+    reason: str | None = None  # error or skip reason
+    started_at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "verdict": self.verdict,
+            "reason": self.reason,
+            "started_at": self.started_at,
+            "target": self.target,
+            "settings": self.settings,
+            "versions": versions(),
+            "topology": self.topology,
+            "environment": self.environment,
+            "ports": self.ports,
+            "workload": self.workload,
+            "passes": [p.to_json() for p in self.passes],
+            "findings": [{**f.to_json(), "blocking": f in self.blocking} for f in self.findings],
+            "logs": self.logs,
+            "phases": {k: round(v, 3) for k, v in self.phases.items()},
+        }
+
+    def write_json(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    def junit(self) -> ET.Element:
+        """A testsuite per verify run; a testcase per pass, plus the KV-digest scenario."""
+        name = self.target.get("topology") or self.target.get("router_url") or "target"
+        suite = ET.Element("testsuite", name=f"pdctl verify {name}")
+        cases = 0
+        failures = skipped = errors = 0
+        ran = {p.name: p for p in self.passes}
+        for pass_name in (*PASSES, "kv-digests"):
+            case = ET.SubElement(
+                suite, "testcase", classname=f"pdctl.verify.{name}", name=pass_name
+            )
+            cases += 1
+            current = ran.get(pass_name)
+            if current is not None:
+                case.set("time", f"{current.wall_s:.3f}")
+            mine = [
+                f
+                for f in self.findings
+                if (f.pass_name == pass_name and f.classification != "kv-corruption")
+                or (pass_name == "kv-digests" and f.classification == "kv-corruption")
+            ]
+            if self.verdict in ("error", "skipped") and not self.passes:
+                tag = "skipped" if self.verdict == "skipped" else "error"
+                element = ET.SubElement(case, tag, message=self.reason or self.verdict)
+                skipped += tag == "skipped"
+                errors += tag == "error"
+                continue
+            if pass_name != "kv-digests" and (current is None or current.skipped):
+                reason = current.skipped if current else "not run (an earlier failure stopped it)"
+                ET.SubElement(case, "skipped", message=reason or "not run")
+                skipped += 1
+                continue
+            failing = [f for f in mine if f in self.blocking]
+            if failing:
+                element = ET.SubElement(
+                    case,
+                    "failure",
+                    message=f"{len(failing)} finding(s): {failing[0].classification}: "
+                    f"{failing[0].message}",
+                    type=failing[0].classification,
+                )
+                element.text = "\n\n".join(json.dumps(f.to_json(), indent=2) for f in failing)
+                failures += 1
+            elif mine:  # near-ties of a non-invariant engine: reported, not failed
+                ET.SubElement(case, "system-out").text = "\n".join(f.message for f in mine)
+        suite.set("tests", str(cases))
+        suite.set("failures", str(failures))
+        suite.set("errors", str(errors))
+        suite.set("skipped", str(skipped))
+        suite.set("time", f"{sum(self.phases.values()):.3f}")
+        return suite
+
+    def write_junit(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        root = ET.Element("testsuites")
+        root.append(self.junit())
+        ET.indent(root)
+        path.write_bytes(ET.tostring(root, encoding="utf-8", xml_declaration=True))

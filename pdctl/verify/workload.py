@@ -1,0 +1,126 @@
+"""The verify workload: deterministic prompts from a seed, shaped by the topology.
+
+Lengths are chosen against the topology so every path runs: shorter than a page,
+exactly a page, longer than a prefill chunk, longer than a staging segment, and
+longer than the decode ring (so one request wraps it). Families share a long
+prefix (whole pages) so the prefix-hit pass has something to reuse; a few text
+prompts go through the tokenizer. Every prompt is token ids or text, never both.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pdctl.core import MODEL_PRESETS
+from pdctl.topology.model import Topology
+
+TEXTS = (
+    "The staging buffer gathers each decode rank's heads into one contiguous write.",
+    "Prefill computes the prompt; decode generates the answer, one token at a time.",
+    "A radix cache reuses the pages of a shared prefix across requests.",
+)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    kind: str  # sub-page | one-page | chunked | segmented | ring-wrap | family | text
+    input_ids: list[int] | None = None
+    text: str | None = None
+    family: str | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids) if self.input_ids is not None else len(self.text or "")
+
+    def body(self) -> dict[str, Any]:
+        return {"input_ids": self.input_ids} if self.input_ids is not None else {"text": self.text}
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["length"] = self.length
+        if self.input_ids is not None:
+            data["input_ids"] = None  # the ids are regenerated from the seed; keep reports small
+        return data
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the workload needs to know of the topology, in tokens."""
+
+    page: int
+    chunk: int
+    segment: int
+    ring: int
+    max_context: int
+    vocab: int
+
+    @staticmethod
+    def of(topology: Topology) -> Shape:
+        page = topology.serving.page_size
+        chunk = topology.serving.chunked_prefill_tokens
+        preset = (
+            MODEL_PRESETS.get(topology.model.preset or "") if topology.model.uses_preset else None
+        )
+        if preset is not None:
+            elem = 2 if topology.effective_dtype in ("float16", "bfloat16") else 4
+            heads = max(1, preset.num_kv_heads // topology.roles.decode.tp)
+            per_token = 2 * preset.num_layers * heads * preset.head_dim * elem
+            staging = topology.transfer.staging
+            segment = int(staging.effective_segment_mb * (1 << 20)) // per_token
+            ring = int(staging.pool_size_mb * (1 << 20)) // per_token
+            max_context, vocab = preset.max_position, preset.vocab_size
+        else:  # a checkpoint: sizes pdctl cannot derive without reading it
+            segment, ring, max_context, vocab = 512, 2048, 4096, 32000
+        return Shape(page, chunk, max(page, segment), max(page, ring), max_context, vocab)
+
+
+def build(shape: Shape, count: int, seed: int, max_new_tokens: int) -> list[Prompt]:
+    """`count` prompts; the mix below is cycled, so every count gets the short kinds first."""
+    rng = random.Random(seed)
+    room = shape.max_context - max_new_tokens - 1  # the longest prompt that still fits
+    low, high = 3, min(shape.vocab, 32000) - 1
+
+    def ids(n: int) -> list[int]:
+        return [rng.randint(low, high) for _ in range(max(1, min(n, room)))]
+
+    prefix_len = min(3 * shape.page, room // 2)
+    families = {f"f{k}": ids(prefix_len) for k in range(2)}
+    lengths = {
+        "sub-page": max(1, shape.page // 2 - 1),
+        "one-page": shape.page,
+        "chunked": shape.chunk + shape.page // 2 + 1,
+        "segmented": shape.segment + shape.segment // 2 + 1,
+        "ring-wrap": shape.ring + shape.page * 3 + 5,
+    }
+    order = [
+        "sub-page",
+        "family:f0",
+        "one-page",
+        "family:f0",
+        "text",
+        "segmented",
+        "family:f1",
+        "chunked",
+        "family:f1",
+        "ring-wrap",
+        "text",
+        "family:f0",
+    ]
+    prompts: list[Prompt] = []
+    texts = 0
+    for index in range(count):
+        kind = order[index % len(order)]
+        pid = f"p{index:03d}"
+        if kind.startswith("family:"):
+            family = kind.split(":")[1]
+            tail = ids(rng.randint(1, shape.page + 3))
+            prompts.append(Prompt(pid, "family", families[family] + tail, family=family))
+        elif kind == "text":
+            prompts.append(Prompt(pid, "text", text=f"{TEXTS[texts % len(TEXTS)]} ({index})"))
+            texts += 1
+        else:
+            prompts.append(Prompt(pid, kind, ids(lengths[kind])))
+    return prompts
