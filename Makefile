@@ -16,10 +16,11 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	@VENV=$(VENV) scripts/setup.sh 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 	@touch $@
 
-# The main job on the default CPU topology. (`pdctl verify` takes over once it lands.)
+# The main job on the default CPU topology: bring it up, verify it token for token
+# (serial, repeated, concurrent, prefix hit, against a colocated reference), tear down.
 demo: setup
-	$(PDCTL) validate topologies/*.yaml
-	$(PDCTL) plan $(DEFAULT_TOPOLOGY)
+	$(PDCTL) validate -q topologies/*.yaml
+	$(PDCTL) verify $(DEFAULT_TOPOLOGY) --serial-compare --reference --json runs/demo-verify.json --junit runs/demo-verify.xml
 
 test: setup
 	$(PY) -m pytest -q

@@ -66,13 +66,13 @@ def request_failure(pass_name: str, result: Result) -> Finding:
             "kv-corruption",
             f"KV corruption: layer {corruption['layer']} {corruption['kv']}, prefill rank "
             f"{corruption['prefill']} -> decode rank {corruption['decode']}, "
-            f"{corruption['where'] or 'in the ring'} (room {corruption['room']})",
+            f"{corruption['where'] or 'where unknown'} (room {corruption['room']})",
             evidence={
                 "layer": int(corruption["layer"]),
                 "kv": corruption["kv"],
                 "prefill_rank": int(corruption["prefill"]),
                 "decode_rank": int(corruption["decode"]),
-                "where": corruption["where"] or "in the ring",
+                "where": corruption["where"] or "where unknown",
                 "error": error,
             },
         )

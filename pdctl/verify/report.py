@@ -115,7 +115,8 @@ class Report:
                 element = ET.SubElement(
                     case,
                     "failure",
-                    message=f"{len(failing)} finding(s): {failing[0].classification}: "
+                    message=f"{len(failing)} finding(s) "
+                    f"({', '.join(sorted({f.classification for f in failing}))}): "
                     f"{failing[0].message}",
                     type=failing[0].classification,
                 )
@@ -127,7 +128,7 @@ class Report:
         suite.set("failures", str(failures))
         suite.set("errors", str(errors))
         suite.set("skipped", str(skipped))
-        suite.set("time", f"{sum(self.phases.values()):.3f}")
+        suite.set("time", f"{self.phases.get('total_s', 0.0):.3f}")
         return suite
 
     def write_junit(self, path: Path) -> None:

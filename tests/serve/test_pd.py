@@ -326,7 +326,9 @@ def test_router_names_the_dead_side() -> None:
 
 def test_corrupted_kv_is_caught_by_the_digest() -> None:
     """A byte flipped after prefill took its digests: decode refuses the KV and says where."""
-    with pd_cluster(backend="tcp", prefill_env={"PDCTL_FAULTS": '[{"name": "corrupt-kv"}]'}) as cluster:
+    with pd_cluster(
+        backend="tcp", prefill_env={"PDCTL_FAULTS": '[{"name": "corrupt-kv"}]'}
+    ) as cluster:
         response = httpx.post(
             f"{cluster.url}/generate",
             json={"input_ids": PROMPTS[0], "sampling_params": SAMPLING},
@@ -334,7 +336,10 @@ def test_corrupted_kv_is_caught_by_the_digest() -> None:
         )
         message = error_of(response)
         assert "decode" in message and "KV corruption in room" in message, message
-        assert "from prefill rank 0 to decode rank" in message and "(segment 0)" in message
+        assert (
+            "from prefill rank 0 to decode rank" in message
+            and "(in the staging ring, segment 0)" in message
+        )
         cluster.pools_full()
 
 

@@ -299,7 +299,7 @@ class KVReceiver:
                     raise ReceiveFailed(
                         f"KV corruption in room {room}: layer {mismatch.layer} {mismatch.kv} "
                         f"from prefill rank {mismatch.prefill_rank} to decode rank {self.rank} "
-                        f"(segment {segment.index})"
+                        f"(in the staging ring, segment {segment.index})"
                     )
                 total += region.size
                 self._offer_more(handler, room, plan, offered, bootstrap)

@@ -10,6 +10,8 @@ Notifications ride on Mooncake's own notify messages, sent with the last write.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any
 
 from pdctl.staging.descriptors import xpu_pointer_type
@@ -75,6 +77,7 @@ class MooncakeTransport(Transport):
         self.session = f"{config.host}:{self.engine.get_rpc_port()}"
         self.tent_requested = os.environ.get("MC_USE_TENT") == "1"
         self.pool = WritePool("mooncake")
+        self._batch_lock = threading.Lock()
 
     def _register(self, region: MemoryRegion) -> None:
         location = "*"
@@ -110,20 +113,55 @@ class MooncakeTransport(Transport):
     ) -> TransferHandle:
         return self.pool.submit(peer, lambda: self._write(peer, descriptors, notify))
 
+    # Mooncake's TCP lanes have bounded queues: a batch of thousands of small ranges
+    # (per-token writes when staging is off), or several batches at once from the
+    # sender's threads, is refused ("queue-full", error -1). So batches go one at a
+    # time per engine, at most MAX_BATCH ranges each; the notification rides the last.
+    MAX_BATCH = 128
+
     def _write(self, peer: Peer, descriptors: Descriptors, notify: bytes | None) -> None:
         src, dst, lengths = (a.tolist() for a in descriptors)
         session = peer.state["session"]
-        if notify is None:
-            result = self.engine.batch_transfer_sync_write(session, src, dst, lengths)
-        else:
-            message = self._module.TransferNotify(self.config.name, notify.hex())
-            opcode = self._module.TransferOpcode.Write
-            result = self.engine.batch_transfer_sync(session, src, dst, lengths, opcode, message)
-        if result < 0:
-            raise TransportError(
-                f"{self.config.name}: Mooncake write to {peer.label} failed (error {result}); "
-                "is the peer alive and its memory registered?"
-            )
+        with self._batch_lock:
+            for start in range(0, len(src), self.MAX_BATCH):
+                end = start + self.MAX_BATCH
+                last = end >= len(src)
+                self._batch(
+                    peer,
+                    session,
+                    src[start:end],
+                    dst[start:end],
+                    lengths[start:end],
+                    notify if last else None,
+                )
+
+    def _batch(
+        self,
+        peer: Peer,
+        session: str,
+        src: list[int],
+        dst: list[int],
+        lengths: list[int],
+        notify: bytes | None,
+    ) -> None:
+        for attempt in range(3):
+            if notify is None:
+                result = self.engine.batch_transfer_sync_write(session, src, dst, lengths)
+            else:
+                message = self._module.TransferNotify(self.config.name, notify.hex())
+                opcode = self._module.TransferOpcode.Write
+                result = self.engine.batch_transfer_sync(
+                    session, src, dst, lengths, opcode, message
+                )
+            if result >= 0:
+                return
+            if notify is not None or attempt == 2:  # a notification is never sent twice
+                break
+            time.sleep(0.01 * (attempt + 1))  # the same bytes again: writes are idempotent
+        raise TransportError(
+            f"{self.config.name}: Mooncake write to {peer.label} failed (error {result}); "
+            "is the peer alive and its memory registered?"
+        )
 
     def _poll(self) -> None:
         for item in self.engine.get_notifies():
