@@ -12,6 +12,7 @@ from pdctl.cli.common import JsonOption, Options, PdctlGroup, QuietOption, Verbo
 from pdctl.cli.doctor import doctor
 from pdctl.cli.down import down
 from pdctl.cli.logs import logs
+from pdctl.cli.nightly import nightly
 from pdctl.cli.plan import plan
 from pdctl.cli.schema import schema
 from pdctl.cli.status import status
@@ -60,6 +61,7 @@ app.command()(status)
 app.command()(logs)
 app.command()(down)
 app.command()(verify)
+app.command()(nightly)
 app.command()(doctor)
 app.add_typer(bench_app, name="bench")
 

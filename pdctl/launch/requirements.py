@@ -1,16 +1,22 @@
-"""Whether this machine can run a topology: devices and modules, checked before spawning.
+"""Whether this machine can run a topology, checked before anything is spawned.
 
 A topology this machine cannot run is skipped with the reason (exit code 4), never
-started to fail: `engine: sglang` without SGLang, a CUDA topology without GPUs, a
-NIXL topology without NIXL. Devices are counted in a subprocess so that the CLI
-itself never imports torch.
+started to fail: `engine: sglang` without SGLang, a CUDA topology without enough
+GPUs or free memory, a NIXL topology without NIXL or its UCX plugin, Mooncake with
+MC_USE_TENT=1 on a build without TENT. Modules are looked up without importing
+them; devices, free memory and capabilities come from `pdctl doctor --json`, run
+in a subprocess (once, and only when a topology needs them), so the CLI itself
+never imports torch.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
+from functools import lru_cache
+from typing import Any
 
 from pdctl.topology.resolve import Requirements
 
@@ -18,13 +24,6 @@ from pdctl.topology.resolve import Requirements
 MODULE_ALIASES: dict[str, tuple[str, ...]] = {
     "nixl": ("nixl", "nixl_cu12", "nixl_cu13"),
 }
-
-_COUNT = (
-    "import torch\n"
-    "kind = {kind!r}\n"
-    "module = getattr(torch, kind, None)\n"
-    "print(module.device_count() if module is not None and module.is_available() else 0)\n"
-)
 
 
 def module_available(name: str) -> bool:
@@ -37,31 +36,62 @@ def module_available(name: str) -> bool:
     return False
 
 
-def device_count(kind: str) -> int:
+@lru_cache(maxsize=1)
+def machine() -> dict[str, Any]:
+    """What `pdctl doctor --json` finds: devices, free memory, capabilities."""
     try:
         result = subprocess.run(
-            [sys.executable, "-c", _COUNT.format(kind=kind)],
+            [sys.executable, "-m", "pdctl", "doctor", "--json"],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=300,
         )
-        return int(result.stdout.strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return 0
+        data: dict[str, Any] = json.loads(result.stdout)
+    except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        return {
+            "devices": {},
+            "device_memory_free_gb": {},
+            "capabilities": [],
+            "error": f"pdctl doctor failed: {exc}",
+        }
+    return data
 
 
 def unmet(requirements: Requirements) -> list[str]:
     """What this machine lacks, each with the topology's reason for needing it."""
     problems = []
-    if requirements.device_type != "cpu" and requirements.device_count:
-        found = device_count(requirements.device_type)
-        if found < requirements.device_count:
-            problems.append(
-                f"needs {requirements.device_count} {requirements.device_type} device(s), "
-                f"this machine has {found}"
-            )
     for module in requirements.modules:
         if not module_available(module):
             why = requirements.reasons.get(module)
             problems.append(f"needs the Python module {module}" + (f" ({why})" if why else ""))
+    kind, count = requirements.device_type, requirements.device_count
+    needs_probe = (kind != "cpu" and count) or requirements.capabilities
+    if not needs_probe:
+        return problems
+    found = machine()
+    if kind != "cpu" and count:
+        have = int(found.get("devices", {}).get(kind, 0))
+        if have < count:
+            problems.append(f"needs {count} {kind} device(s), this machine has {have}")
+        elif requirements.min_free_memory_gb:
+            free = found.get("device_memory_free_gb", {}).get(kind, [])[:count]
+            short = [
+                f"{kind}:{i} {gb:g} GiB"
+                for i, gb in enumerate(free)
+                if gb < requirements.min_free_memory_gb
+            ]
+            if short or len(free) < count:
+                problems.append(
+                    f"needs {requirements.min_free_memory_gb:g} GiB free on each of {count} "
+                    f"{kind} device(s); free: {', '.join(short) or 'unknown'}"
+                )
+    have_caps = set(found.get("capabilities", []))
+    for capability in requirements.capabilities:
+        if capability not in have_caps:
+            why = requirements.reasons.get(capability)
+            problems.append(
+                f"needs capability {capability}"
+                + (f" ({why})" if why else "")
+                + " (`pdctl doctor` lists what this machine has)"
+            )
     return problems

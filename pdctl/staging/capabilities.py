@@ -64,6 +64,21 @@ def devices() -> dict[str, int]:
     return found
 
 
+def device_memory() -> dict[str, list[float]]:
+    """Free memory (GiB) of each accelerator, where the device module can tell."""
+    found: dict[str, list[float]] = {}
+    for device_type in DEVICE_TYPES:
+        try:
+            module = dev.get_device_module(device_type)
+            count = int(module.device_count())
+            found[device_type] = [
+                round(module.mem_get_info(index)[0] / (1 << 30), 2) for index in range(count)
+            ]
+        except (RuntimeError, AttributeError, AssertionError, ImportError, TypeError):
+            continue
+    return {k: v for k, v in found.items() if v}
+
+
 def _triton() -> dict[str, Any]:
     try:
         triton = importlib.import_module("triton")
@@ -165,6 +180,7 @@ def report() -> dict[str, Any]:
         "torch": torch.__version__,
         "triton": _triton(),
         "devices": devices(),
+        "device_memory_free_gb": device_memory(),
         "transports": transports,
         "modules": modules,
     }
