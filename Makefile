@@ -8,7 +8,7 @@ PDCTL  := $(VENV)/bin/pdctl
 STAMP  := $(VENV)/.pdctl-setup
 DEFAULT_TOPOLOGY := topologies/cpu-p1d2-tcp.yaml
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test nightly-cpu lint format bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The CPU suite as a CI nightly runs it: every topology tagged `cpu`, reports in runs/.
+nightly-cpu: setup
+	$(PDCTL) nightly topologies --suite cpu --junit runs/nightly-cpu.xml --json runs/nightly-cpu.json
 
 lint: setup
 	$(VENV)/bin/ruff format --check pdctl tests benchmarks

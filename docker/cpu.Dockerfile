@@ -4,6 +4,9 @@
 FROM python:3.11.7-slim-bookworm
 
 # make: the README's two commands; libibverbs1: Mooncake's engine links it even over TCP.
+# Debian versions are not pinned: bookworm's security updates replace them, and the
+# base image tag already pins the release.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends make libibverbs1 \
     && rm -rf /var/lib/apt/lists/*

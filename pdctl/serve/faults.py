@@ -5,7 +5,8 @@ Off unless the launcher sets PDCTL_FAULTS (a JSON list, from the topology's
 its role: prefill `corrupt-kv` (flip a byte of a room's KV after the digests were
 taken) and `delay-transfer` (hold a room past decode's timeout), decode
 `drop-scatter` (skip a room's first scatter), any role `kill-role` (SIGKILL itself
-when a request arrives after `after` were accepted). `every` picks every Nth room.
+when a request arrives after `after` were accepted). `every` picks every Nth room;
+the first `spare` rooms or requests (the launcher's canary) are never faulted.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ class Faults:
         if spec is None:
             return None
         with self.lock:
-            count = self.counts[name] = self.counts.get(name, 0) + 1
-        if count % int(spec.get("every", 1)) == 0:
+            seen = self.counts[name] = self.counts.get(name, 0) + 1
+        count = seen - int(spec.get("spare", 0))  # the first `spare` occurrences are spared
+        if count > 0 and count % int(spec.get("every", 1)) == 0:
             log.warning("injecting fault %s (occurrence %d)", name, count)
             return spec
         return None
@@ -64,7 +66,7 @@ class Faults:
             return
         with self.lock:
             seen = self.counts["kill-role"] = self.counts.get("kill-role", 0) + 1
-        if seen > int(spec.get("after", 3)):
+        if seen - int(spec.get("spare", 0)) > int(spec.get("after", 3)):
             log.warning("injecting fault kill-role at request %d: SIGKILL", seen)
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)

@@ -152,7 +152,9 @@ def faults_of(topology: Topology, role: str) -> list[dict[str, object]]:
     for fault in topology.faults:
         target = fault.role if fault.name == "kill-role" else FAULT_ROLES[fault.name]
         if target == role:
-            found.append(fault.model_dump(exclude_none=True))
+            # spare: the launcher's canary, the first request through a new topology,
+            # is never faulted (start-up must succeed for the checks to run at all)
+            found.append({**fault.model_dump(exclude_none=True), "spare": 1})
     return found
 
 

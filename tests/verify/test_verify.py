@@ -104,16 +104,16 @@ def test_each_fault_is_caught_and_classified(
     out, junit = tmp_path / "verify.json", tmp_path / "verify.xml"
     result = verify(env, str(faulty(make_topology)), "--inject", fault, *QUICK,
                     "--json", str(out), "--junit", str(junit))  # fmt: skip
-    assert result.returncode == 1, result.stderr + result.stdout
-    assert "FAIL" in result.stdout and "problem(s) found" in result.stderr
     report = report_of(out)
+    assert result.returncode == 1, (result.stderr, report["findings"], report["passes"])
+    assert "FAIL" in result.stdout and "problem(s) found" in result.stderr
     assert report["verdict"] == "fail"
     assert report["settings"]["faults"][0]["name"] == fault.split(":")[0]
     found = [f for f in report["findings"] if f["classification"] == classification]
     assert found, report["findings"]
     if classification == "kv-corruption":
-        assert all(f["evidence"]["where"] == detail for f in found)
-        assert all(f["classification"] == "kv-corruption" for f in report["findings"])
+        assert all(f["evidence"]["where"] == detail for f in found), found
+        assert all(f["classification"] == "kv-corruption" for f in report["findings"]), found
     else:
         assert any(detail in f["message"] or f["evidence"].get("role") == detail for f in found)
     suite = next(iter(JUnitXml.fromfile(str(junit))))
