@@ -1,40 +1,78 @@
 #!/usr/bin/env bash
-# The GPU suite in one command, for a machine with an accelerator (e.g. the lent H200):
-# tests marked `gpu`, then the benchmarks, with reports under $OUT (default gpu-reports/).
-# Wheels that the machine lacks can be carried in .whl/ (see docs/benchmarks.md).
+# The GPU suite in one command, for a machine with accelerators (e.g. the lent H200s):
+# tests marked `gpu`, the staging and engine benchmarks, the `gpu` topologies through
+# `pdctl nightly --suite gpu` (each verified against a colocated reference), and the
+# PD benchmark on the 2-GPU topology. Reports go under $OUT (default gpu-reports/).
+#
+# Python packages the machine lacks travel as wheels in .whl/ and .whl-gpu/ (the CUDA
+# Mooncake wheel), Debian's libibverbs1 and libnl as .debs/ (unpacked to /tmp/ibv,
+# never to /): see docs/benchmarks.md. STAGES picks parts: tests,bench,nightly,pd.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-reports}
 mkdir -p "$OUT"
 DEVICE=${DEVICE:-cuda}
-export PYTHONUNBUFFERED=1
+STAGES=${STAGES:-tests,bench,nightly,pd}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 
-if compgen -G ".whl/*.whl" >/dev/null; then
+wheels=$(compgen -G ".whl/*.whl"; compgen -G ".whl-gpu/*.whl")
+if [ -n "$wheels" ]; then
+  # shellcheck disable=SC2086
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/pdctl-site .whl/*.whl || exit 1
+    --target /tmp/pdctl-site $wheels || exit 1
   export PYTHONPATH=/tmp/pdctl-site${PYTHONPATH:+:$PYTHONPATH}
 fi
+if compgen -G ".debs/*.deb" >/dev/null; then
+  for deb in .debs/*.deb; do dpkg -x "$deb" /tmp/ibv; done
+  export LD_LIBRARY_PATH=/tmp/ibv/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
 
 status=0
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-} | tee "$OUT/machine.txt"
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+  python3 -c 'import mooncake.engine; print("mooncake.engine importable")' 2>&1 | tail -n 1
+  python3 -m pdctl doctor 2>&1 | tail -n 12
+} 2>&1 | tee "$OUT/machine.txt"
 
-python3 -m pytest -q -m gpu tests/staging -p no:cacheprovider \
-  --junitxml "$OUT/gpu-tests.xml" 2>&1 | tail -n 30 | tee "$OUT/gpu-tests.log" || status=1
-grep -q 'failed' "$OUT/gpu-tests.log" && status=1
+if has tests; then
+  timeout 240 python3 -m pytest -q -m gpu tests/staging -p no:cacheprovider -x 2>&1 \
+    | tail -n 30 | tee "$OUT/gpu-tests.log"
+  grep -q ' passed' "$OUT/gpu-tests.log" && ! grep -q 'failed\|error' "$OUT/gpu-tests.log" \
+    || status=1
+fi
 
-for backend in triton torch; do
-  python3 -m pdctl bench staging --device "$DEVICE" --backend "$backend" --json \
-    > "$OUT/bench-staging-$backend.json" || status=1
-done
-python3 - "$OUT" <<'PY'
+if has bench; then
+  { for backend in triton torch; do
+      python3 -m pdctl bench staging --device "$DEVICE" --backend "$backend" --json \
+        | python3 -c 'import json,sys; r=json.load(sys.stdin); r["backend_run"]=sys.argv[1]; print(json.dumps(r))' "$backend"
+    done
+    python3 -m pdctl.serve.bench --preset small --device "$DEVICE" --batches 1,8,32 --json
+  } > "$OUT/bench.jsonl" || status=1
+  python3 - "$OUT/bench.jsonl" <<'PY'
 import json, sys
-for backend in ("triton", "torch"):
-    report = json.load(open(f"{sys.argv[1]}/bench-staging-{backend}.json"))
-    print(f"staging bench, {backend}, target {report['target_ratio']}x of a device copy")
-    for row in report["results"]:
-        print(f"  {row['shape']:<38} copy {row['copy_gbps']:8.1f} GB/s  gather {row['gather_ratio']:.2f}  scatter {row['scatter_ratio']:.2f}")
+for line in open(sys.argv[1]):
+    report = json.loads(line)
+    if "results" in report:
+        print(f"staging bench, {report['backend_run']}, target {report['target_ratio']}x of a device copy")
+        for row in report["results"]:
+            print(f"  {row['shape']:<38} copy {row['copy_gbps']:8.1f} GB/s  gather {row['gather_ratio']:.2f}  scatter {row['scatter_ratio']:.2f}")
+    else:
+        print("engine bench:", json.dumps(report.get("rows", report)))
 PY
+fi
+
+if has nightly; then
+  timeout 420 python3 -m pdctl nightly topologies --suite gpu --junit "$OUT/nightly.xml" \
+    --json "$OUT/nightly.json" 2>&1 | tail -n 40 || status=1
+fi
+
+if has pd; then
+  timeout 300 python3 -m pdctl bench pd topologies/cuda-2gpu-p1d2-tcp-staging.yaml \
+    --backends tcp,mooncake --prompts 8 --prompt-len 2048 --new-tokens 32 --concurrency 4 \
+    --json > "$OUT/bench-pd.json" || status=1
+  python3 -c 'import json,sys; [print(r) for r in json.load(open(sys.argv[1]))["rows"]]' "$OUT/bench-pd.json"
+fi
+tar czf "$OUT/runs.tgz" runs 2>/dev/null
 exit $status
