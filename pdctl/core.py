@@ -29,14 +29,16 @@ DEVICE_VISIBILITY_VARS: dict[str, str | None] = {
 DeviceType = Literal["cpu", "cuda", "xpu", "npu", "hpu", "musa", "mlu"]
 
 # torch.distributed backend per device type (gloo where there is no collective library).
+# Per device type: the collective backend for device tensors, with gloo beside it for
+# the small CPU control messages (operation headers, JSON payloads) TP rank 0 sends.
 DIST_BACKENDS: dict[str, str] = {
     "cpu": "gloo",
-    "cuda": "nccl",
-    "xpu": "xccl",
-    "npu": "hccl",
-    "hpu": "hccl",
-    "musa": "mccl",
-    "mlu": "cncl",
+    "cuda": "cpu:gloo,cuda:nccl",
+    "xpu": "cpu:gloo,xpu:xccl",
+    "npu": "cpu:gloo,npu:hccl",
+    "hpu": "cpu:gloo,hpu:hccl",
+    "musa": "cpu:gloo,musa:mccl",
+    "mlu": "cpu:gloo,mlu:cncl",
 }
 
 

@@ -53,7 +53,7 @@ def matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     if weight_t.shape[1] % TILE:
         raise ValueError(f"weight has {weight_t.shape[1]} columns, not a multiple of {TILE}")
-    return torch.mm(pad_rows(x), weight_t)[:rows]
+    return torch.mm(pad_rows(x).to(weight_t.dtype), weight_t)[:rows]
 
 
 AllGather = Callable[[torch.Tensor], torch.Tensor]

@@ -80,13 +80,24 @@ class DecodeStagingHandler:
         self.rooms: dict[int, RoomState] = {}
 
     def register_room(
-        self, room: int, page_indices: PageIndices, scheduler_stream: Any
+        self,
+        room: int,
+        page_indices: PageIndices,
+        scheduler_stream: Any = None,
+        *,
+        ready: Any = None,
     ) -> RoomState:
-        """Call right after the room's req_to_token row is written on `scheduler_stream`."""
+        """Call right after the room's req_to_token row is written on `scheduler_stream`.
+
+        A caller on another thread than the scheduler passes `ready` instead: the event
+        the scheduler recorded right after that write (recording here would order the
+        scatter after this thread's stream, not the scheduler's).
+        """
         if room in self.rooms:
             raise ValueError(f"room {room} is already registered")
-        ready = dev.create_device_event(self.device)
-        ready.record(scheduler_stream)
+        if ready is None:
+            ready = dev.create_device_event(self.device)
+            ready.record(scheduler_stream)
         pages = upload_pages(page_indices, self.page_size, self.info)
         state = RoomState(room, pages, ready)
         self.rooms[room] = state

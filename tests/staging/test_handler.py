@@ -74,6 +74,21 @@ def test_scatter_waits_on_the_rooms_event_not_the_stream(monkeypatch) -> None:
     assert wait < kinds.index("scatter")
 
 
+def test_a_recorded_event_from_another_thread_is_the_edge(monkeypatch) -> None:
+    """The decode receiver registers rooms on its own thread: it hands over the event
+    the scheduler recorded; the handler must not record one on a stream of its own
+    (a CUDA event refuses to record on an event, as the H200 run showed)."""
+    recorded: list = []
+    monkeypatch.setattr(
+        dev, "create_device_event", lambda device: recorded.append(device) or object()
+    )
+    handler, _, _ = make_handler()
+    recorded.clear()
+    scheduler_event = object()
+    state = handler.register_room(5, [0, 1], ready=scheduler_event)
+    assert state.ready is scheduler_event and recorded == []
+
+
 def test_release_without_inflight_scatter_does_not_synchronize(monkeypatch) -> None:
     calls: list = []
     monkeypatch.setattr(dev, "synchronize_stream", lambda stream: calls.append(stream))

@@ -262,7 +262,7 @@ class KVReceiver:
         ready: Any,
     ) -> dict[str, Any]:
         with self.lock:
-            handler.register_room(room, pages, ready)
+            handler.register_room(room, pages, ready=ready)
         try:
             layout = handler.layout
             plan = plan_segments(
