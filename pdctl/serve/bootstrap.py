@@ -12,7 +12,6 @@ Every request must carry the per-run secret (`Authorization: Bearer ...`).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +22,9 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
-from pdctl.serve.pd.protocol import Registration, SegmentRegion
+from pdctl.serve.http import guard_json_depth
+from pdctl.serve.pd.client import refuse_unless_authorized
+from pdctl.serve.pd.protocol import Registration, SegmentRegion, json_int, segment_from_json
 
 TOMBSTONE_S = 300.0
 
@@ -192,17 +193,26 @@ class Rooms:
             return sum(1 for item in self._rooms.values() if not item.closed)
 
 
+async def json_object(request: HttpRequest) -> dict[str, Any]:
+    body = await request.json()
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    return body
+
+
 def bootstrap_app(rooms: Rooms, secret: bytes, info: dict[str, Any]) -> FastAPI:
     app = FastAPI(title="pdctl bootstrap", docs_url=None, redoc_url=None)
 
     @app.middleware("http")
     async def authenticate(request: HttpRequest, call_next: Callable[[HttpRequest], Any]) -> Any:
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
-        if not hmac.compare_digest(given, secret):
-            return JSONResponse({"error": "missing or wrong per-run secret"}, status_code=401)
+        refused = refuse_unless_authorized(request, secret, "bootstrap")
+        if refused is not None:
+            return refused
         if int(request.headers.get("content-length") or 0) > 4 << 20:
             return JSONResponse({"error": "message too large"}, status_code=413)
         return await call_next(request)
+
+    guard_json_depth(app)
 
     @app.exception_handler(BootstrapError)
     async def refused(_: HttpRequest, exc: BootstrapError) -> JSONResponse:
@@ -216,7 +226,7 @@ def bootstrap_app(rooms: Rooms, secret: bytes, info: dict[str, Any]) -> FastAPI:
     async def register(request: HttpRequest) -> dict[str, Any]:
         try:
             registration = Registration.from_json(await request.json())
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
             raise BootstrapError(f"malformed registration: {exc}", 400) from None
         rooms.register(registration)
         return {"ok": True}
@@ -224,12 +234,12 @@ def bootstrap_app(rooms: Rooms, secret: bytes, info: dict[str, Any]) -> FastAPI:
     @app.post("/bootstrap/segments")
     async def segments(request: HttpRequest) -> dict[str, Any]:
         try:
-            body = await request.json()
-            regions = [
-                SegmentRegion(**{**s, "watermark": tuple(s["watermark"])}) for s in body["segments"]
-            ]
-            room, rank = int(body["room"]), int(body["decode_rank"])
-        except (ValueError, TypeError, KeyError) as exc:
+            body = await json_object(request)
+            if not isinstance(body.get("segments"), list) or len(body["segments"]) > 4096:
+                raise ValueError("segments must be a list of at most 4096 regions")
+            regions = [segment_from_json(s) for s in body["segments"]]
+            room, rank = json_int(body, "room"), json_int(body, "decode_rank")
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
             raise BootstrapError(f"malformed segments: {exc}", 400) from None
         rooms.add_segments(room, rank, regions)
         return {"ok": True}
@@ -263,17 +273,23 @@ def bootstrap_app(rooms: Rooms, secret: bytes, info: dict[str, Any]) -> FastAPI:
     async def fail(request: HttpRequest) -> dict[str, Any]:
         """Decode gave up on a room (failure or abort): prefill stops sending it."""
         try:
-            body = await request.json()
-            room, reason = int(body["room"]), str(body["reason"])
-        except (ValueError, TypeError, KeyError) as exc:
+            body = await json_object(request)
+            room, reason = json_int(body, "room"), body.get("reason")
+            if not isinstance(reason, str):
+                raise ValueError("reason must be text")
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
             raise BootstrapError(f"malformed failure report: {exc}", 400) from None
-        rooms.fail(room, reason)
+        rooms.fail(room, reason[:2000])
         return {"ok": True}
 
     @app.post("/internal/sent")
     async def sent(request: HttpRequest) -> dict[str, Any]:
-        body = await request.json()
-        rooms.report_sent(int(body["room"]), int(body["rank"]), body)
+        try:
+            body = await json_object(request)
+            room, rank = json_int(body, "room"), json_int(body, "rank")
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+            raise BootstrapError(f"malformed send report: {exc}", 400) from None
+        rooms.report_sent(room, rank, body)
         return {"ok": True}
 
     return app

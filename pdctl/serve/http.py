@@ -193,10 +193,19 @@ def prompts_of(body: GenerateBody, ctx: ServerContext) -> tuple[list[list[int]],
     return ids, batch
 
 
+def guard_json_depth(app: FastAPI) -> None:
+    """JSON nested deeper than Python's recursion limit is a 400, not a crash."""
+
+    @app.exception_handler(RecursionError)
+    async def _too_deep(_: HttpRequest, __: RecursionError) -> JSONResponse:
+        return JSONResponse(error_body("the JSON body is nested too deeply"), status_code=400)
+
+
 def create_app(
     ctx: ServerContext, setup: Callable[[FastAPI, ServerContext], None] | None = None
 ) -> FastAPI:
     app = FastAPI(title="pdctl embedded server", docs_url=None, redoc_url=None)
+    guard_json_depth(app)
 
     @app.exception_handler(BadRequest)
     async def _bad(_: HttpRequest, exc: BadRequest) -> JSONResponse:

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from pdctl.serve.args import ServerArgs
 from pdctl.serve.faults import faults
+from pdctl.serve.http import guard_json_depth
 from pdctl.serve.schemas import error_body
 
 log = logging.getLogger("pdctl.serve")
@@ -202,11 +203,12 @@ def create_router_app(state: RouterState) -> FastAPI:
         await client.aclose()
 
     app = FastAPI(title="pdctl router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    guard_json_depth(app)
 
     async def handle(request: HttpRequest, path: str) -> Response:
         try:
             body = await request.json()
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return JSONResponse(error_body("the body is not valid JSON"), status_code=400)
         if not isinstance(body, dict):
             return JSONResponse(error_body("the body must be a JSON object"), status_code=400)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import hmac
+import logging
 import os
 import time
 from typing import Any
 
 import httpx
+from fastapi.responses import JSONResponse
+
+log = logging.getLogger("pdctl.serve")
 
 
 class PeerCallError(RuntimeError):
@@ -15,6 +20,33 @@ class PeerCallError(RuntimeError):
 
 def run_secret() -> bytes:
     return os.environ.get("PDCTL_RUN_SECRET", "").encode()
+
+
+def refuse_unless_authorized(request: Any, secret: bytes, endpoint: str) -> Any:
+    """None when `request` carries the per-run secret; else a 401 (logged, secret never)."""
+    given = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
+    if hmac.compare_digest(given, secret):
+        return None
+    client = request.client.host if request.client else "?"
+    log.warning(
+        "%s: refused %s %s from %s: %s per-run secret",
+        endpoint,
+        request.method,
+        request.url.path,
+        client,
+        "wrong" if given else "no",
+    )
+    return JSONResponse({"error": "missing or wrong per-run secret"}, status_code=401)
+
+
+def warn_if_no_secret(role: str, host: str) -> None:
+    if not run_secret():
+        log.warning(
+            "%s: PDCTL_RUN_SECRET is not set, so the bootstrap and internal endpoints accept "
+            "any client that can reach %s (pdctl up always sets it)",
+            role,
+            host,
+        )
 
 
 class Client:

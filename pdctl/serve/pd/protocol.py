@@ -64,12 +64,86 @@ class Registration:
         return asdict(self)
 
     @staticmethod
-    def from_json(data: dict[str, Any]) -> Registration:
-        segments = [
-            SegmentRegion(**{**s, "watermark": tuple(s["watermark"])})
-            for s in data.get("segments", [])
-        ]
+    def from_json(data: Any) -> Registration:
+        """A registration from JSON, every field type-checked (ValueError names the field)."""
+        if not isinstance(data, dict):
+            raise ValueError("a registration is a JSON object")
+        unknown = set(data) - set(Registration.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}")
+        for name in INT_FIELDS:
+            json_int(data, name)
+        for name in ("decode_name", "transport"):
+            if not isinstance(data.get(name), str) or len(data[name]) > MAX_TEXT:
+                raise ValueError(f"{name} must be text (at most {MAX_TEXT} characters)")
+        if data.get("mode") not in ("staging", "direct"):
+            raise ValueError("mode must be 'staging' or 'direct'")
+        if not 0 <= data["decode_rank"] < data["decode_tp"]:
+            raise ValueError(f"decode_rank {data['decode_rank']} is not below decode_tp")
+        pages = data.get("pages", [])
+        if not isinstance(pages, list) or len(pages) > MAX_LIST:
+            raise ValueError(f"pages must be a list of at most {MAX_LIST} integers")
+        bases = data.get("kv_bases", [])
+        if not isinstance(bases, list) or len(bases) > MAX_LIST:
+            raise ValueError("kv_bases must be a list of [k, v] address pairs")
+        for item in [*pages, *(a for pair in bases for a in _pair(pair))]:
+            if not isinstance(item, int) or isinstance(item, bool) or item < 0:
+                raise ValueError("pages and kv_bases hold non-negative integers")
+        segments = [segment_from_json(s) for s in _list(data.get("segments", []), "segments")]
         return Registration(**{**data, "segments": segments})
+
+
+INT_FIELDS = (
+    "room",
+    "decode_rank",
+    "decode_tp",
+    "num_tokens",
+    "page_size",
+    "kv_heads",
+    "head_dim",
+    "num_layers",
+    "elem_bytes",
+    "segment_bytes",
+)
+MAX_TEXT = 1 << 16
+MAX_LIST = 1 << 20
+
+
+def json_int(data: dict[str, Any], name: str) -> int:
+    value = data.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
+        raise ValueError(f"{name} must be a non-negative integer")
+    return value
+
+
+def _list(value: Any, name: str) -> list[Any]:
+    if not isinstance(value, list) or len(value) > MAX_LIST:
+        raise ValueError(f"{name} must be a list of at most {MAX_LIST} items")
+    return value
+
+
+def _pair(value: Any) -> list[Any]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError("kv_bases must be a list of [k, v] address pairs")
+    return value
+
+
+def segment_from_json(data: Any) -> SegmentRegion:
+    if not isinstance(data, dict):
+        raise ValueError("a segment region is a JSON object")
+    fields = set(SegmentRegion.__dataclass_fields__)
+    if set(data) != fields:
+        raise ValueError(f"a segment region has exactly the fields {', '.join(sorted(fields))}")
+    for name in fields - {"watermark"}:
+        json_int(data, name)
+    mark = data["watermark"]
+    if (
+        not isinstance(mark, (list, tuple))  # a tuple when the snapshot stayed in-process
+        or len(mark) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in mark)
+    ):
+        raise ValueError("watermark must be [round, tail], two non-negative integers")
+    return SegmentRegion(**{**data, "watermark": (mark[0], mark[1])})
 
 
 def notify_prefix(room: int, segment: int, writer: int) -> bytes:

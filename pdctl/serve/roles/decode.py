@@ -9,7 +9,6 @@ chose, and the request joins the decode batch. The response carries
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -20,11 +19,19 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
 from pdctl.serve import tp as tensor_parallel
+from pdctl.serve.bootstrap import json_object
 from pdctl.serve.engine import Engine
 from pdctl.serve.http import BadRequest, ServerContext, create_app
 from pdctl.serve.pd import protocol as proto
-from pdctl.serve.pd.client import Client, PeerCallError, run_secret
+from pdctl.serve.pd.client import (
+    Client,
+    PeerCallError,
+    refuse_unless_authorized,
+    run_secret,
+    warn_if_no_secret,
+)
 from pdctl.serve.pd.endpoint import endpoint_name, make_transport
+from pdctl.serve.pd.protocol import json_int
 from pdctl.serve.pd.receiver import KVReceiver
 from pdctl.serve.request import Request
 from pdctl.serve.roles.common import build_engine, serve, server_info
@@ -171,11 +178,15 @@ def internal_routes(hooks: DecodeHooks) -> Any:
     def setup(app: FastAPI, _: ServerContext) -> None:
         @app.post("/internal/kv_ready")
         async def kv_ready(request: HttpRequest) -> JSONResponse:
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
-            if not hmac.compare_digest(given, secret):
-                return JSONResponse({"error": "missing or wrong per-run secret"}, status_code=401)
-            body = await request.json()
-            hooks.report(int(body["room"]), body)
+            refused = refuse_unless_authorized(request, secret, "decode internal")
+            if refused is not None:
+                return refused
+            try:
+                body = await json_object(request)
+                room, _ = json_int(body, "room"), json_int(body, "rank")
+            except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+                return JSONResponse({"error": f"malformed report: {exc}"}, status_code=400)
+            hooks.report(room, body)
             return JSONResponse({"ok": True})
 
     return setup
@@ -183,6 +194,7 @@ def internal_routes(hooks: DecodeHooks) -> Any:
 
 def run(rank: Rank) -> None:
     args = rank.args
+    warn_if_no_secret("decode", args.host)
     hooks = DecodeHooks(rank)
     engine = build_engine(rank, prefix_cache=False, hooks=hooks)
     engine.scheduler.receives_kv = True

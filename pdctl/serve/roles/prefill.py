@@ -18,7 +18,7 @@ from pdctl.serve.bootstrap import BootstrapError, Rooms, bootstrap_app
 from pdctl.serve.engine import Engine
 from pdctl.serve.http import BadRequest, ServerContext, create_app
 from pdctl.serve.pd import protocol as proto
-from pdctl.serve.pd.client import Client, run_secret
+from pdctl.serve.pd.client import Client, run_secret, warn_if_no_secret
 from pdctl.serve.pd.endpoint import make_transport
 from pdctl.serve.pd.sender import KVSender
 from pdctl.serve.request import Request
@@ -154,6 +154,7 @@ def run(rank: Rank) -> None:
     args = rank.args
     if args.bootstrap_port is None:
         raise SystemExit("--bootstrap-port is required for the prefill role")
+    warn_if_no_secret("prefill", args.host)
     rooms = Rooms(layout_of(rank), args.bootstrap_timeout)
     hooks = PrefillHooks(rank, rooms)
     rooms.on_sent = hooks.report
