@@ -251,3 +251,59 @@ def pd(
     console.out.print(table)
     for backend, reason in report["skipped"].items():
         console.warning(f"{backend} not measured: {reason}")
+
+
+@bench_app.command("soak")
+def soak(
+    ctx: typer.Context,
+    topology: Annotated[
+        Path, typer.Argument(help="A CPU topology file (default: the default topology).")
+    ] = Path("topologies/cpu-p1d2-tcp.yaml"),
+    requests: Annotated[int, typer.Option(min=1, help="Requests per transport.")] = 1000,
+    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight.")] = 32,
+    backends: Annotated[
+        str, typer.Option(help="Transports, comma-separated.")
+    ] = "tcp,mooncake,nixl",
+    pool_mb: Annotated[
+        float, typer.Option(min=0.01, help="Staging ring per decode rank (small: it wraps).")
+    ] = 0.5,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per request.")] = 8,
+    unique: Annotated[
+        int, typer.Option(min=1, help="Distinct prompts (each run serially first: the reference).")
+    ] = 48,
+    json: JsonOption = False,
+    verbose: VerboseOption = 0,
+    quiet: QuietOption = False,
+) -> None:
+    """Many requests per transport: 0 failures, token-exact, pools back, RSS growth < 10 %."""
+    opts = options(ctx, json, verbose, quiet)
+    from pdctl.errors import CheckFailed
+    from pdctl.launch.soak import bench_soak
+
+    chosen = tuple(b.strip() for b in backends.split(",") if b.strip())
+    report = bench_soak(
+        topology, backends=chosen, requests=requests, concurrency=concurrency,
+        pool_mb=pool_mb, new_tokens=new_tokens, unique=unique,
+        progress=console.info if not opts.quiet else (lambda _: None),
+    )  # fmt: skip
+    if opts.json:
+        console.emit_json(report)
+    else:
+        table = Table(title=f"soak: {report['topology']}, ring {report['pool_mb']:g} MiB/rank")
+        for column in ("transport", "requests", "failed", "mismatches", "req/s", "tok/s",
+                       "pools back", "ring wraps", "max RSS growth %", "verdict"):  # fmt: skip
+            table.add_column(column, justify="left" if column == "transport" else "right")
+        for row in report["rows"]:
+            table.add_row(
+                row["transport"], str(row["requests"]), str(row["failed"]),
+                str(row["mismatches"]), f"{row['requests_per_s']:.1f}",
+                f"{row['tokens_per_s']:.0f}", "yes" if row["pools_back"] else "NO",
+                str(max(row["ring_wraps"].values(), default=0)),
+                f"{max(row['rss_growth_pct'].values(), default=0):.1f}",
+                "PASS" if row["passed"] else "FAIL",
+            )  # fmt: skip
+        console.out.print(table)
+        for backend, reason in report["skipped"].items():
+            console.warning(f"{backend} not run: {reason}")
+    if not report["passed"]:
+        raise CheckFailed("the soak failed", hint="see the table (or --json) for what")

@@ -150,6 +150,8 @@ def up(
         try:
             run.start()
             wait_with_display(run, timeout, opts.quiet or opts.json)
+            for warning in run.warnings:
+                console.warning(warning)
             up_since = time.monotonic()
             report(run, opts.json)
             if detach:

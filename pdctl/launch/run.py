@@ -18,7 +18,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,8 @@ import httpx
 from pdctl.engines.base import render_command
 from pdctl.errors import LaunchError
 from pdctl.launch import state as run_state
+from pdctl.launch.listeners import Listener, listeners
+from pdctl.launch.loopback import confine, is_loopback
 from pdctl.launch.plan import LaunchPlan, ProcessPlan
 from pdctl.launch.ports import Allocation, allocate
 from pdctl.launch.processes import Spawned, spawn, start_time, stop_groups
@@ -92,6 +94,7 @@ class Run:
         self.canary: dict[str, Any] | None = None
         self.started_at = time.time()
         self.state_path: Path | None = None
+        self.warnings: list[str] = []  # what the run could not do as asked (not fatal)
 
     # -- what the run is -------------------------------------------------------------
     @property
@@ -118,6 +121,9 @@ class Run:
         env["PDCTL_LOG_DIR"] = str(self.dir)
         env["PDCTL_PROCESS_NAME"] = process.name
         env.setdefault("PYTHONUNBUFFERED", "1")
+        warning = confine(env, self.host)
+        if warning and warning not in self.warnings:
+            self.warnings.append(warning)
         return env
 
     def to_json(self) -> dict[str, Any]:
@@ -131,6 +137,7 @@ class Run:
             "detached": self.detach,
             "router_url": self.router_url if self.ports else None,
             "canary": self.canary,
+            "warnings": self.warnings,
             "ports": self.ports,
             "processes": [
                 {
@@ -204,6 +211,7 @@ class Run:
                     on_change(self)
                 if all(s.stage == "ready" for s in self.states):
                     self._canary(deadline)
+                    self._check_listeners()
                     if on_change is not None:
                         on_change(self)
                     break
@@ -219,6 +227,60 @@ class Run:
         if self.allocation is not None:
             self.allocation.release()
         self.write_state()
+
+    def pools_back(
+        self, timeout: float = 30.0, names: Iterable[str] | None = None
+    ) -> tuple[bool, list[str], dict[str, Any]]:
+        """Wait until every server's KV pool is full (radix cache apart), its staging ring
+        empty and no room open; returns (all back, what is still held, the rings' state)."""
+        wanted = set(names) if names is not None else None
+        servers = [
+            s for s in self.states
+            if s.plan.role in ("prefill", "decode") and (wanted is None or s.plan.name in wanted)
+        ]  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while True:
+            problems: list[str] = []
+            rings: dict[str, Any] = {}
+            for state in servers:
+                try:
+                    info = httpx.get(f"{state.url}/get_server_info", timeout=10).json()
+                except (httpx.HTTPError, ValueError) as exc:
+                    problems.append(f"{state.plan.name}: /get_server_info: {exc}")
+                    continue
+                kv = info["kv"]
+                held = kv["total_pages"] - kv["free_pages"] - kv["cached_pages"]
+                if held:
+                    problems.append(f"{state.plan.name}: {held} KV pages held")
+                if info.get("running_requests") or info.get("waiting_requests"):
+                    problems.append(f"{state.plan.name}: requests still running")
+                ring = info.get("staging_ring")
+                if ring is not None:
+                    rings[state.plan.name] = ring
+                    if not ring["empty"]:
+                        problems.append(
+                            f"{state.plan.name}: {ring['live_regions']} ring regions live"
+                        )
+                if info.get("open_rooms"):
+                    problems.append(f"{state.plan.name}: {info['open_rooms']} rooms open")
+            if not problems or time.monotonic() > deadline:
+                return not problems, problems, rings
+            time.sleep(0.2)
+
+    def listeners(self) -> dict[str, list[Listener]]:
+        """Each process's listening TCP sockets (every rank of its process group)."""
+        return {s.plan.name: listeners(s.spawned.pid) for s in self.states if s.spawned}
+
+    def _check_listeners(self) -> None:
+        if not is_loopback(self.host):
+            return
+        for name, found in self.listeners().items():
+            exposed = [str(x) for x in found if not x.loopback]
+            if exposed:
+                self.warnings.append(
+                    f"{name} listens beyond loopback on {', '.join(exposed)} "
+                    f"although the topology's host is {self.host}"
+                )
 
     def _describe(self, state: ProcessState) -> str:
         assert state.spawned is not None
@@ -330,6 +392,7 @@ class Run:
         plan = ProcessPlan("reference", "colocated", 0, (), tuple(slots), (), ())
         state = ProcessState(plan, f"http://{self.host}:{ports.ports['reference.http']}")
         env = {**self.parent_env, "PDCTL_LOG_DIR": str(self.dir), "PDCTL_PROCESS_NAME": "reference"}
+        confine(env, self.host)
         state.spawned = spawn(
             "reference", argv, env, self.dir / "reference-tp0.log", die_with_parent=not self.detach
         )

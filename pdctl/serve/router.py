@@ -81,7 +81,14 @@ class RouterState:
 class SideFailed(Exception):
     def __init__(self, side: Worker, message: str, status: int = 502) -> None:
         super().__init__(f"{side.role} {side.url} failed: {message}")
-        self.status = status
+        self.side, self.status = side, status
+
+    def paired_with(self, other: Worker) -> SideFailed:
+        """The same failure, naming the other side of the request too (which decode a
+        prefill waited for is often the real culprit)."""
+        failed = SideFailed(self.side, "", self.status)
+        failed.args = (f"{self.args[0]} (the request's {other.role}: {other.url})",)
+        return failed
 
 
 async def _post(
@@ -139,8 +146,11 @@ async def route_one(
             {prefill_task, decode_task}, return_when=asyncio.FIRST_EXCEPTION
         )
         for task in done:
-            if task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+            error = task.exception()
+            if isinstance(error, SideFailed):
+                raise error.paired_with(decode if error.side is prefill else prefill)
+            if error is not None:
+                raise error
         response = await decode_task
         await prefill_task
         return response.json()

@@ -16,6 +16,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -37,13 +38,22 @@ class TPGroup:
         self, rank: int, world: int, host: str, port: int, backend: str, timeout_s: float
     ) -> None:
         self.rank, self.world = rank, world
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{host}:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        if rank == 0:
+            # torch's TCPStore server binds every interface; hand it a socket bound to
+            # `host` instead, so the rendezvous listens where the topology says.
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(max(world, 16))
+            store = dist.TCPStore(
+                host, port, world, True, timeout, wait_for_workers=False,
+                master_listen_fd=listener.detach(),  # the store owns the socket now
+            )  # fmt: skip
+        else:
+            store = dist.TCPStore(host, port, world, False, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         self.handlers: dict[int, Handler] = {}
 
     def gather(self, partials: torch.Tensor) -> torch.Tensor:
