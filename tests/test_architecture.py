@@ -111,3 +111,19 @@ def test_every_module_opens_with_a_docstring() -> None:
         if p.stat().st_size and ast.get_docstring(ast.parse(p.read_text())) is None
     ]
     assert missing == []
+
+
+def test_nothing_from_the_network_is_unpickled() -> None:
+    """No pickle, marshal or unsafe YAML anywhere; torch.load only with weights_only."""
+    banned = re.compile(
+        r"\bimport (c?pickle|marshal|dill|shelve)\b|\bpickle\.loads?\b|\byaml\.(unsafe_)?load\("
+        r"|\bYAML\(typ=.unsafe|\beval\(|\bexec\("
+    )
+    found = [
+        f"{p.relative_to(REPO)}:{n}: {line.strip()}"
+        for p in SOURCES
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if banned.search(line)
+        or ("torch.load(" in line and "weights_only=True" not in line)
+    ]
+    assert found == []

@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
-from pdctl.serve.http import guard_json_depth
+from pdctl.serve.http import guard_json_depth, refuse_oversized
 from pdctl.serve.pd.client import refuse_unless_authorized
 from pdctl.serve.pd.protocol import Registration, SegmentRegion, json_int, segment_from_json
 
@@ -200,6 +200,9 @@ async def json_object(request: HttpRequest) -> dict[str, Any]:
     return body
 
 
+MAX_MESSAGE_BYTES = 4 << 20
+
+
 def bootstrap_app(rooms: Rooms, secret: bytes, info: dict[str, Any]) -> FastAPI:
     app = FastAPI(title="pdctl bootstrap", docs_url=None, redoc_url=None)
 
@@ -208,8 +211,9 @@ def bootstrap_app(rooms: Rooms, secret: bytes, info: dict[str, Any]) -> FastAPI:
         refused = refuse_unless_authorized(request, secret, "bootstrap")
         if refused is not None:
             return refused
-        if int(request.headers.get("content-length") or 0) > 4 << 20:
-            return JSONResponse({"error": "message too large"}, status_code=413)
+        oversized = refuse_oversized(request, MAX_MESSAGE_BYTES)
+        if oversized is not None:
+            return JSONResponse({"error": oversized[1]}, status_code=oversized[0])
         return await call_next(request)
 
     guard_json_depth(app)

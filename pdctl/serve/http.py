@@ -193,6 +193,22 @@ def prompts_of(body: GenerateBody, ctx: ServerContext) -> tuple[list[list[int]],
     return ids, batch
 
 
+def refuse_oversized(request: HttpRequest, limit: int) -> tuple[int, str] | None:
+    """(status, message) when a request's body is, or may be, larger than `limit` bytes.
+
+    A body must declare its length: a chunked body could be any size, so it is refused
+    before a byte of it is read.
+    """
+    length = request.headers.get("content-length")
+    if length is None:
+        if "transfer-encoding" in request.headers:
+            return 411, "a request body must come with a Content-Length (chunked is refused)"
+        return None
+    if not length.isdigit() or int(length) > limit:
+        return 413, f"request body larger than {limit} bytes"
+    return None
+
+
 def guard_json_depth(app: FastAPI) -> None:
     """JSON nested deeper than Python's recursion limit is a 400, not a crash."""
 
@@ -221,11 +237,9 @@ def create_app(
 
     @app.middleware("http")
     async def _limit(request: HttpRequest, call_next: Callable[[HttpRequest], Any]) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return JSONResponse(
-                error_body(f"request body larger than {MAX_BODY_BYTES} bytes"), status_code=413
-            )
+        refused = refuse_oversized(request, MAX_BODY_BYTES)
+        if refused is not None:
+            return JSONResponse(error_body(refused[1]), status_code=refused[0])
         response: Response = await call_next(request)
         return response
 

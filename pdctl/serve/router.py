@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from pdctl.serve.args import ServerArgs
 from pdctl.serve.faults import faults
-from pdctl.serve.http import guard_json_depth
+from pdctl.serve.http import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
 from pdctl.serve.schemas import error_body
 
 log = logging.getLogger("pdctl.serve")
@@ -216,6 +216,9 @@ def create_router_app(state: RouterState) -> FastAPI:
     guard_json_depth(app)
 
     async def handle(request: HttpRequest, path: str) -> Response:
+        refused = refuse_oversized(request, MAX_BODY_BYTES)
+        if refused is not None:
+            return JSONResponse(error_body(refused[1]), status_code=refused[0])
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError, RecursionError):

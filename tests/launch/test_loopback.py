@@ -14,6 +14,7 @@ import pytest
 from pdctl.launch.listeners import listeners
 from pdctl.launch.loopback import confine, is_loopback, shim_library
 from pdctl.launch.plan import load_checked, make_plan
+from pdctl.launch.processes import group_members
 from pdctl.launch.run import Run
 from tests.conftest import REPO
 
@@ -107,9 +108,16 @@ def test_every_listener_of_a_loopback_topology_is_on_loopback(backend: str, tmp_
     try:
         run.wait_ready(timeout=180)
         found = run.listeners()
+        cmdlines = [
+            Path(f"/proc/{pid}/cmdline").read_bytes()
+            for s in run.states if s.spawned for pid in group_members(s.spawned.pid)
+        ]  # fmt: skip
     finally:
         assert run.stop() == []
     assert run.warnings == []
+    # the per-run secret travels in the environment only: never argv, never a log
+    assert len(cmdlines) >= 4 and not any(run.secret.encode() in c for c in cmdlines)
+    assert not any(run.secret in p.read_text(errors="replace") for p in run.dir.glob("*.log"))
     # http + bootstrap + transport + TP rendezvous, at least; all of them on loopback
     assert sum(len(v) for v in found.values()) >= 6
     assert [str(x) for v in found.values() for x in v if not x.loopback] == []

@@ -95,3 +95,20 @@ def test_deep_huge_and_binary_bodies_then_the_same_tokens(tp1_server: Any) -> No
     assert reference(tp1_server.url) == before
     info = httpx.get(f"{tp1_server.url}/get_server_info", timeout=30).json()
     assert info["running_requests"] == 0 and info["waiting_requests"] == 0
+
+
+def test_a_body_of_undeclared_length_is_refused_unread(tp1_server: Any) -> None:
+    def endless() -> Any:  # chunked: the server would have to read it to know its size
+        yield b'{"input_ids": ['
+        for _ in range(3):
+            yield b"1, " * 1000
+
+    response = httpx.post(
+        f"{tp1_server.url}/generate",
+        content=endless(),
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 411, response.text
+    assert "Content-Length" in response.json()["error"]["message"]
+    assert reference(tp1_server.url)  # still serving
