@@ -6,7 +6,11 @@
 #
 # Python packages the machine lacks travel as wheels in .whl/ and .whl-gpu/ (the CUDA
 # Mooncake wheel), Debian's libibverbs1 and libnl as .debs/ (unpacked to /tmp/ibv,
-# never to /): see docs/benchmarks.md. STAGES picks parts: tests,bench,nightly,pd.
+# never to /): see docs/benchmarks.md. STAGES picks parts: tests,bench,nightly,pd, and
+# sweep (staging kernel variants, device-only and end to end) and invariance (vendor
+# vs Triton products across batch sizes and TP splits). One device call runs for at
+# most 10 minutes and brings back 8 files: split the stages over calls, e.g.
+# STAGES=sweep,invariance then STAGES=tests,pd then STAGES=nightly.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-reports}
@@ -14,6 +18,7 @@ mkdir -p "$OUT"
 DEVICE=${DEVICE:-cuda}
 STAGES=${STAGES:-tests,bench,nightly,pd}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 wheels=$(compgen -G ".whl/*.whl"; compgen -G ".whl-gpu/*.whl")
 if [ -n "$wheels" ]; then
@@ -61,6 +66,16 @@ for line in open(sys.argv[1]):
     else:
         print("engine bench:", json.dumps(report.get("rows", report)))
 PY
+fi
+
+if has sweep; then
+  timeout 300 python3 benchmarks/staging_kernel_sweep.py 2>&1 | tee "$OUT/sweep.log" \
+    | tail -n 40 || status=1
+fi
+
+if has invariance; then
+  timeout 150 python3 benchmarks/batch_invariance.py --device "$DEVICE" 2>&1 \
+    | tee "$OUT/invariance.log" | tail -n 40 || status=1
 fi
 
 if has nightly; then

@@ -123,7 +123,6 @@ def test_nothing_from_the_network_is_unpickled() -> None:
         f"{p.relative_to(REPO)}:{n}: {line.strip()}"
         for p in SOURCES
         for n, line in enumerate(p.read_text().splitlines(), 1)
-        if banned.search(line)
-        or ("torch.load(" in line and "weights_only=True" not in line)
+        if banned.search(line) or ("torch.load(" in line and "weights_only=True" not in line)
     ]
     assert found == []

@@ -12,6 +12,13 @@ Why results could otherwise change with the batch (measured on this torch/MKL):
 - Reductions whose length depends on the batch (attention over a growing number
   of keys) are done in fixed blocks of KEY_BLOCK keys, combined by a sequential
   cumulative sum: trailing zero blocks (keys a query may not see) add exact zeros.
+- On accelerators (CUDA, XPU) the vendor libraries pick kernels by shape, some
+  splitting the reduction, and a row reduction's strategy depends on how many rows
+  there are. With PDCTL_TRITON_MATMUL=1 every product, row sum and attention product
+  goes through one fixed-configuration Triton kernel (`triton_ops.py`): each output
+  element is reduced in the same fixed order whatever the batch, chunking or TP
+  split. It stays opt-in until measured on a GPU (benchmarks/batch_invariance.py);
+  the default is the vendor libraries (faster, not proven invariant).
 - Tensor parallelism: a row-parallel product is split into REDUCTION_CHUNKS fixed
   column ranges whatever the TP size; each rank computes its chunks, the partials
   are gathered and summed in chunk order, so TP 1, 2, 4 and 8 add the same numbers
@@ -22,6 +29,8 @@ Shapes are noted as [tokens, features]; "padded" means rounded up to TILE.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 
 import torch
@@ -29,6 +38,36 @@ import torch
 TILE = 16
 KEY_BLOCK = 64
 REDUCTION_CHUNKS = 8
+
+
+@functools.lru_cache(maxsize=8)
+def _invariant_kernels(device_type: str) -> bool:
+    """Whether products on this device type go through the fixed-order Triton kernel."""
+    if device_type not in ("cuda", "xpu") or os.environ.get("PDCTL_TRITON_MATMUL") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for 2-D or batched 3-D operands, batch-invariant on every device."""
+    if _invariant_kernels(a.device.type):
+        from pdctl.serve import triton_ops
+
+        return triton_ops.matmul(a, b)
+    return torch.mm(a, b) if a.dim() == 2 else torch.bmm(a, b)
+
+
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """x [..., L] -> [..., 1]; on accelerators a product with ones (fixed order)."""
+    if not _invariant_kernels(x.device.type):
+        return x.sum(dim=-1, keepdim=True)
+    ones = torch.ones((x.shape[-1], TILE), dtype=x.dtype, device=x.device)
+    sums = product(x.reshape(-1, x.shape[-1]), ones)[:, :1]
+    return sums.reshape(*x.shape[:-1], 1)
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -53,7 +92,7 @@ def matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     if weight_t.shape[1] % TILE:
         raise ValueError(f"weight has {weight_t.shape[1]} columns, not a multiple of {TILE}")
-    return torch.mm(pad_rows(x).to(weight_t.dtype), weight_t)[:rows]
+    return product(pad_rows(x).to(weight_t.dtype), weight_t)[:rows]
 
 
 AllGather = Callable[[torch.Tensor], torch.Tensor]
@@ -82,7 +121,10 @@ def row_parallel_matmul(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H] (T padded) -> normalised, per row."""
-    variance = x.pow(2).mean(dim=-1, keepdim=True)
+    if _invariant_kernels(x.device.type):
+        variance = row_sums(x.pow(2)) / x.shape[-1]
+    else:
+        variance = x.pow(2).mean(dim=-1, keepdim=True)
     return x * torch.rsqrt(variance + eps) * weight
 
 
@@ -131,7 +173,7 @@ def attention(
     if group > 1:  # grouped-query attention: each KV head serves `group` query heads
         k_h = k_h.repeat_interleave(group, dim=0)
         v_h = v_h.repeat_interleave(group, dim=0)
-    scores = torch.bmm(q_h, k_h.transpose(1, 2)) * scale  # [heads, n_pad, k_pad]
+    scores = product(q_h, k_h.transpose(1, 2)) * scale  # [heads, n_pad, k_pad]
     visible = torch.zeros((n_pad, k_pad), dtype=torch.bool, device=q.device)
     key_index = torch.arange(k_pad, device=q.device)
     visible[:n] = key_index[None, :] <= query_positions[:, None]
@@ -141,7 +183,7 @@ def attention(
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     weights = torch.exp(scores - peak)  # masked keys -> exactly 0
     block_weights = weights.view(heads, n_pad, blocks, KEY_BLOCK)
-    norm = block_weights.sum(dim=-1).cumsum(dim=-1)[..., -1:]  # [heads, n_pad, 1]
+    norm = row_sums(block_weights)[..., 0].cumsum(dim=-1)[..., -1:]  # [heads, n_pad, 1]
     values = v_h.view(heads, blocks, KEY_BLOCK, dim)
     partial = _block_values(block_weights, values)  # [heads, blocks, n_pad, dim]
     out = partial.cumsum(dim=1)[:, -1]  # [heads, n_pad, dim], blocks summed in order
@@ -154,4 +196,4 @@ def _block_values(block_weights: torch.Tensor, values: torch.Tensor) -> torch.Te
     heads, n_pad, blocks, width = block_weights.shape
     left = block_weights.permute(0, 2, 1, 3).reshape(heads * blocks, n_pad, width)
     right = values.reshape(heads * blocks, width, values.shape[-1])
-    return torch.bmm(left, right).view(heads, blocks, n_pad, values.shape[-1])
+    return product(left, right).view(heads, blocks, n_pad, values.shape[-1])

@@ -34,6 +34,7 @@ from pdctl.serve.weights import (
     preset_config,
     preset_source,
 )
+from pdctl.staging import device as dev
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 log = logging.getLogger("pdctl.serve")
@@ -107,6 +108,8 @@ def start_rank(args: ServerArgs, argv: list[str]) -> Rank:
     device = device_for(args)
     if device.type == "cpu":
         torch.set_num_threads(1)  # batch invariance: see ops.py
+    else:  # the main thread's device (NCCL, Triton); worker threads guard their own
+        dev.get_device_module(device).set_device(device)
     children: list[subprocess.Popen[bytes]] = []
     if args.tp > 1 and args.tp_rank == 0:
         children = tensor_parallel.spawn_ranks(args.tp, argv, dict(os.environ))

@@ -111,6 +111,18 @@ def device_stream_context(stream: Any) -> Iterator[None]:
         yield
 
 
+def device_context(device: DeviceLike) -> contextlib.AbstractContextManager[Any]:
+    """Make `device` the calling thread's current device for the block (CPU: no-op).
+
+    The current device is per thread: a worker thread starts on device 0 whatever
+    device its tensors live on, and launchers that read it (Triton) need this.
+    """
+    device = as_device(device)
+    if device.type == "cpu":
+        return contextlib.nullcontext()
+    return get_device_module(device).device(device)
+
+
 def stream_wait_event(stream: Any, event: Any) -> None:
     """Order later work on `stream` after `event` (not after the whole recording stream)."""
     stream.wait_event(event)

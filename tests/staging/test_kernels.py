@@ -230,3 +230,24 @@ def test_buffers_sharing_one_storage_take_the_fused_path(page_size, start, count
     mask = torch.zeros_like(kv, dtype=torch.bool)
     mask[:, :, rows, start : start + count] = True
     assert torch.equal(target[mask], kv[mask]) and not target[~mask].any()
+
+
+# (BLOCK_T cap, BLOCK_B, steps per program): buffer walks, uneven last walks (masked
+# buffers), several buffers per step and token blocks that end mid-block.
+WALKS = [(4, 1, 3), (8, 2, 2), (2, 4, 1), (16, 1, 7), (1, 2, 5)]
+
+
+@pytest.mark.parametrize(("block_t", "block_b", "steps"), WALKS)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_triton_buffer_walks_are_bitwise(monkeypatch, block_t, block_b, steps, page_size) -> None:
+    from pdctl.staging.kernels import triton as triton_kernels
+
+    original = triton_kernels.tile
+
+    def forced(num_cols, word, num_tokens, num_buffers, num_sms):
+        _, block_c, _, _, _, warps = original(num_cols, word, num_tokens, num_buffers, num_sms)
+        buffer_steps = -(-num_buffers // block_b)
+        return block_t, block_c, block_b, steps, -(-buffer_steps // steps), warps
+
+    monkeypatch.setattr(triton_kernels, "tile", forced)
+    run_case("triton", 3, page_size, (8, 4, 4), torch.bfloat16, seed=block_t + steps)

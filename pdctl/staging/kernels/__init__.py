@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -54,16 +55,24 @@ def upload_pages(page_indices: PageIndices, page_size: int, info: KVInfo) -> tor
 
 
 def _check_host_pages(pages: np.ndarray, num_pages: int) -> None:
-    low, high = int(pages.min()), int(pages.max())
-    if low < 0 or high >= num_pages:
-        raise ValueError(
-            f"page index {low if low < 0 else high} is outside the pool's {num_pages} pages"
-        )
+    """Range and duplicate check in two passes (this runs on every host page list)."""
     seen = np.zeros(num_pages, dtype=np.bool_)
-    seen[pages] = True
-    if int(seen.sum()) != len(pages):
+    try:
+        seen[pages] = True  # an index >= num_pages raises; a negative one wraps, hence min()
+    except IndexError:
+        _raise_outside(pages, num_pages)
+    if int(pages.min()) < 0:
+        _raise_outside(pages, num_pages)
+    if np.count_nonzero(seen) != len(pages):
         values, counts = np.unique(pages, return_counts=True)
         raise ValueError(f"page index {int(values[counts > 1][0])} appears more than once")
+
+
+def _raise_outside(pages: np.ndarray, num_pages: int) -> NoReturn:
+    low, high = int(pages.min()), int(pages.max())
+    raise ValueError(
+        f"page index {low if low < 0 else high} is outside the pool's {num_pages} pages"
+    )
 
 
 def _word_bytes(kvset: KVSet, block: torch.Tensor) -> int:
@@ -80,6 +89,8 @@ def _flat_bytes(staging: torch.Tensor, info: KVInfo) -> torch.Tensor:
         raise ValueError(f"KV buffers are on {info.device} but staging is on {staging.device}")
     if not staging.is_contiguous():
         raise ValueError("staging must be contiguous")
+    if staging.dtype == torch.uint8 and staging.dim() == 1:
+        return staging  # the usual case: a byte buffer, no views to make
     return staging.reshape(-1).view(torch.uint8)
 
 
@@ -95,8 +106,11 @@ def _backend_for(info: KVInfo, backend: str | None) -> str:
     name = backend or default_backend(info.device)
     if name not in backend_names():
         raise ValueError(f"unknown kernel backend {name!r}; known: {', '.join(backend_names())}")
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if name == "triton" and info.device.type not in ("cuda", "xpu") and not interpreted:
+    if (
+        name == "triton"
+        and info.device.type not in ("cuda", "xpu")
+        and os.environ.get("TRITON_INTERPRET") != "1"
+    ):
         raise ValueError(
             f"the triton backend runs on cuda and xpu, not {info.device.type} "
             "(set TRITON_INTERPRET=1 to interpret it on the CPU)"
