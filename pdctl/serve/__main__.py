@@ -12,6 +12,7 @@ ROLES = {
     "colocated": "pdctl.serve.roles.colocated",
     "prefill": "pdctl.serve.roles.prefill",
     "decode": "pdctl.serve.roles.decode",
+    "encoder": "pdctl.serve.roles.encoder",
 }
 
 

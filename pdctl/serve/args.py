@@ -46,6 +46,7 @@ class ServerArgs:
     decode: tuple[str, ...] = field(default_factory=tuple)
     encoder: tuple[str, ...] = field(default_factory=tuple)
     request_timeout: float = 120.0
+    embedding_pool_mb: float = 16.0
 
     @property
     def title_role(self) -> str:
@@ -95,6 +96,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="append", default=[])
     p.add_argument("--encoder", action="append", default=[])
     p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--embedding-pool-mb", type=float, default=16.0)
     return p
 
 
@@ -123,4 +125,5 @@ def parse(argv: list[str]) -> ServerArgs:
         connect_timeout=a.connect_timeout, bootstrap_timeout=a.bootstrap_timeout,
         transfer_timeout=a.transfer_timeout, prefill=tuple(prefill), decode=tuple(a.decode),
         encoder=tuple(a.encoder), request_timeout=a.request_timeout,
+        embedding_pool_mb=a.embedding_pool_mb,
     )  # fmt: skip

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 
 from pdctl.serve.http import guard_json_depth, refuse_oversized
 from pdctl.serve.pd.client import refuse_unless_authorized
+from pdctl.serve.pd.embeddings import EmbeddingError, EmbeddingReceiver
 from pdctl.serve.pd.protocol import Registration, SegmentRegion, json_int, segment_from_json
 
 TOMBSTONE_S = 300.0
@@ -203,7 +204,9 @@ async def json_object(request: HttpRequest) -> dict[str, Any]:
 MAX_MESSAGE_BYTES = 4 << 20
 
 
-def bootstrap_app(rooms: Rooms, secret: bytes, info: dict[str, Any]) -> FastAPI:
+def bootstrap_app(
+    rooms: Rooms, secret: bytes, info: dict[str, Any], embeddings: EmbeddingReceiver | None = None
+) -> FastAPI:
     app = FastAPI(title="pdctl bootstrap", docs_url=None, redoc_url=None)
 
     @app.middleware("http")
@@ -286,6 +289,9 @@ def bootstrap_app(rooms: Rooms, secret: bytes, info: dict[str, Any]) -> FastAPI:
         rooms.fail(room, reason[:2000])
         return {"ok": True}
 
+    if embeddings is not None:
+        add_embedding_routes(app, embeddings)
+
     @app.post("/internal/sent")
     async def sent(request: HttpRequest) -> dict[str, Any]:
         try:
@@ -297,3 +303,33 @@ def bootstrap_app(rooms: Rooms, secret: bytes, info: dict[str, Any]) -> FastAPI:
         return {"ok": True}
 
     return app
+
+
+def add_embedding_routes(app: FastAPI, embeddings: EmbeddingReceiver) -> None:
+    """The encoder's side of an EPD request: a slot for its embeddings, then `sent`."""
+
+    @app.exception_handler(EmbeddingError)
+    async def refused(_: HttpRequest, exc: EmbeddingError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=exc.status)
+
+    @app.post("/bootstrap/embedding/alloc")
+    async def alloc(request: HttpRequest) -> dict[str, Any]:
+        try:
+            body = await json_object(request)
+            room, rows = json_int(body, "room"), json_int(body, "num_tokens")
+            hidden, dtype = json_int(body, "hidden_size"), body.get("dtype")
+            if not isinstance(dtype, str):
+                raise ValueError("dtype must be text")
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+            raise EmbeddingError(f"malformed embedding request: {exc}") from None
+        return await asyncio.to_thread(embeddings.alloc, room, rows, hidden, dtype)
+
+    @app.post("/bootstrap/embedding/sent")
+    async def embedding_sent(request: HttpRequest) -> dict[str, Any]:
+        try:
+            body = await json_object(request)
+            room, digest = json_int(body, "room"), json_int(body, "digest")
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+            raise EmbeddingError(f"malformed embedding report: {exc}") from None
+        await asyncio.to_thread(embeddings.sent, room, digest)
+        return {"ok": True}

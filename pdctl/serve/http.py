@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from pdctl.serve.engine import Engine
+from pdctl.serve.multimodal import PromptError, images_of
 from pdctl.serve.request import Event, Request
 from pdctl.serve.sampling import SamplingParams
 from pdctl.serve.schemas import CompletionBody, GenerateBody, SamplingBody, error_body
@@ -46,6 +47,8 @@ class ServerContext:
     ready: bool = True
     # PD roles: check a request's bootstrap fields and attach them (may raise BadRequest)
     prepare: Callable[[Request, dict[str, Any]], None] | None = None
+    # colocated: run the encoder in-process -> (prompt ids, [(offset, embedding rows)])
+    encode: Callable[[Any, list[Any]], tuple[list[int], list[tuple[int, Any]]]] | None = None
 
 
 @dataclass
@@ -96,6 +99,7 @@ class Submission:
         rid: str,
         logprobs: int | None,
         pd: dict[str, Any] | None = None,
+        embeds: list[tuple[int, Any]] | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -108,6 +112,7 @@ class Submission:
             return_logprob=logprobs is not None,
             top_logprobs_num=logprobs or 0,
         )
+        self.request.embeds = list(embeds or [])
         self.outcome = Outcome(rid, len(ids))
         if ctx.prepare is not None:
             ctx.prepare(self.request, pd or {})
@@ -191,6 +196,32 @@ def prompts_of(body: GenerateBody, ctx: ServerContext) -> tuple[list[list[int]],
     for index, prompt in enumerate(ids):
         validate_ids(prompt, ctx.vocab_size, f"input_ids[{index}]" if batch else "input_ids")
     return ids, batch
+
+
+async def multimodal_prompt(
+    body: GenerateBody, ctx: ServerContext
+) -> tuple[list[tuple[int, Any]], list[list[int]], bool]:
+    """A request with images, on a server that encodes them in-process: (embeds, ids, False).
+
+    ([], [], False) when the body has no images.
+    """
+    try:
+        images = images_of(body)
+    except PromptError as exc:
+        raise BadRequest(str(exc), exc.field) from None
+    if not images:
+        return [], [], False
+    if ctx.encode is None:
+        raise BadRequest(
+            "this server runs no encoder: send images through the router of an EPD "
+            "topology (roles.encoder), or to a colocated server",
+            "images",
+        )
+    try:
+        ids, embeds = await asyncio.to_thread(ctx.encode, body, images)
+    except PromptError as exc:
+        raise BadRequest(str(exc), exc.field) from None
+    return embeds, [ids], False
 
 
 def refuse_oversized(request: HttpRequest, limit: int) -> tuple[int, str] | None:
@@ -294,7 +325,9 @@ def create_app(
 
     @app.post("/generate")
     async def generate(body: GenerateBody, http: HttpRequest) -> Response:
-        ids, batch = prompts_of(body, ctx)
+        embeds, ids, batch = await multimodal_prompt(body, ctx)
+        if not embeds:
+            ids, batch = prompts_of(body, ctx)
         params = to_params(body.sampling_params)
         logprobs = body.top_logprobs_num if body.return_logprob else None
         pd = pd_fields(body)
@@ -305,7 +338,9 @@ def create_app(
         if body.stream:
             if batch:
                 raise BadRequest("streaming takes one prompt, not a batch", "stream")
-            submission = Submission(ctx, ids[0], params, body.rid or uuid.uuid4().hex, logprobs, pd)
+            submission = Submission(
+                ctx, ids[0], params, body.rid or uuid.uuid4().hex, logprobs, pd, embeds
+            )
             return StreamingResponse(
                 stream_generate(ctx, submission, http, body.return_logprob),
                 media_type="text/event-stream",
@@ -318,6 +353,7 @@ def create_app(
                 body.rid if body.rid and not batch else uuid.uuid4().hex,
                 logprobs,
                 pd,
+                embeds,
             )
             for prompt in ids
         ]
@@ -358,10 +394,9 @@ async def stream_generate(
 
 
 def pd_fields(body: Any) -> dict[str, Any]:
-    """The bootstrap fields a PD router added, if any."""
-    fields = {
-        k: getattr(body, k, None) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")
-    }
+    """The bootstrap fields a PD router added, if any (with an EPD request's items)."""
+    names = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "mm_items", "embedding_room")
+    fields = {k: getattr(body, k, None) for k in names}
     return fields if fields["bootstrap_room"] is not None else {}
 
 

@@ -31,6 +31,8 @@ class Piece:
     start: int  # position of tokens[0]
     rows: torch.Tensor  # [start + n] pool rows of positions 0..start+n-1
     want_logits: bool = True
+    # multimodal: (index into tokens, [m, hidden] rows) that replace token embeddings
+    embeds: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
 class ModelRunner:
@@ -65,6 +67,12 @@ class ModelRunner:
         new_rows = torch.cat([p.rows[p.start :] for p in pieces]).to(self.device)
         total = tokens.numel()
         x = ops.pad_rows(self.w.embed[tokens])  # [T padded, hidden]
+        offset = 0
+        for piece in pieces:  # multimodal positions take the encoder's embeddings
+            for index, rows in piece.embeds:
+                at = offset + index
+                x[at : at + rows.shape[0]] = rows.to(device=x.device, dtype=x.dtype)
+            offset += piece.tokens.numel()
         cos = ops.pad_rows(self.cos[positions])
         sin = ops.pad_rows(self.sin[positions])
         for layer, lw in enumerate(self.w.layers):

@@ -58,6 +58,8 @@ class Request:
     room: int | None = None  # PD: the bootstrap room
     bootstrap: str | None = None  # PD: "host:port" of the prefill bootstrap endpoint
     kv_transfer: dict[str, Any] = field(default_factory=dict)
+    # multimodal: (prompt offset, [n, hidden] rows) replacing those positions' embeddings
+    embeds: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:

@@ -53,9 +53,19 @@ class RouterState:
     prefill: list[Worker]
     decode: list[Worker]
     timeout: float
+    encoder: list[Worker] = field(default_factory=list)  # EPD topologies
     counters: dict[str, int] = field(default_factory=lambda: {"requests": 0, "failed": 0})
     _prefill_turn: itertools.count[int] = field(default_factory=itertools.count)
     _decode_turn: itertools.count[int] = field(default_factory=itertools.count)
+    _encoder_turn: itertools.count[int] = field(default_factory=itertools.count)
+
+    @property
+    def workers(self) -> list[Worker]:
+        return self.prefill + self.decode + self.encoder
+
+    def pick_encoder(self) -> Worker | None:
+        encoders = [w for w in self.encoder if w.healthy] or self.encoder
+        return encoders[next(self._encoder_turn) % len(encoders)] if encoders else None
 
     def pick(self) -> tuple[Worker, Worker]:
         prefill = [w for w in self.prefill if w.healthy] or self.prefill
@@ -66,13 +76,17 @@ class RouterState:
 
     @property
     def ready(self) -> bool:
-        return any(w.healthy for w in self.prefill) and any(w.healthy for w in self.decode)
+        return all(
+            any(w.healthy for w in workers) for workers in (self.prefill, self.decode, self.encoder)
+            if workers
+        )  # fmt: skip
 
     def not_ready_reason(self) -> str:
         """Which side has no healthy worker, and what its workers last answered."""
         missing = []
-        for role, workers in (("prefill", self.prefill), ("decode", self.decode)):
-            if not any(w.healthy for w in workers):
+        sides = (("prefill", self.prefill), ("decode", self.decode), ("encoder", self.encoder))
+        for role, workers in sides:
+            if workers and not any(w.healthy for w in workers):
                 why = ", ".join(f"{w.url}: {w.last_error}" for w in workers)
                 missing.append(f"no healthy {role} worker ({why})")
         return "; ".join(missing)
@@ -80,7 +94,8 @@ class RouterState:
 
 class SideFailed(Exception):
     def __init__(self, side: Worker, message: str, status: int = 502) -> None:
-        super().__init__(f"{side.role} {side.url} failed: {message}")
+        text = f"{side.role} {side.url} failed: {message}" if side.url else f"router: {message}"
+        super().__init__(text)
         self.side, self.status = side, status
 
     def paired_with(self, other: Worker) -> SideFailed:
@@ -134,10 +149,40 @@ def _split(body: dict[str, Any], key: str) -> list[dict[str, Any]] | None:
     return None
 
 
+async def _encode(
+    state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any], prefill: Worker
+) -> dict[str, Any]:
+    """EPD: a request with images goes to an encoder first, which writes the embeddings
+    into `prefill`'s pool; the body that goes on carries the expanded prompt instead."""
+    if body.get("image") is None and body.get("images") is None:
+        return body
+    if path != "/generate":
+        raise SideFailed(Worker("router", ""), "images are taken on /generate only", 400)
+    encoder = state.pick_encoder()
+    if encoder is None:
+        raise SideFailed(Worker("router", ""), "this topology has no encoder for images", 400)
+    room = secrets.randbits(63)
+    request = {
+        **body,
+        "bootstrap_host": prefill.host,
+        "bootstrap_port": prefill.bootstrap_port,
+        "embedding_room": room,
+    }
+    encoded = (await _post(client, encoder, "/encode", request)).json()
+    rest = {k: v for k, v in body.items() if k not in ("image", "images", "text", "input_ids")}
+    return {
+        **rest,
+        "input_ids": encoded["input_ids"],
+        "mm_items": encoded["mm_items"],
+        "embedding_room": room,
+    }
+
+
 async def route_one(
     state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any]
 ) -> Any:
     prefill, decode = state.pick()
+    body = await _encode(state, client, path, body, prefill)
     routed = _with_bootstrap({**body, "stream": False}, prefill)
     prefill_task = asyncio.create_task(_post(client, prefill, path, routed))
     decode_task = asyncio.create_task(_post(client, decode, path, routed))
@@ -163,6 +208,12 @@ async def route_stream(
     state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any]
 ) -> AsyncIterator[bytes]:
     prefill, decode = state.pick()
+    try:
+        body = await _encode(state, client, path, body, prefill)
+    except SideFailed as exc:
+        yield f"data: {json.dumps(error_body(str(exc), status=exc.status))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+        return
     routed = _with_bootstrap(body, prefill)
     prefill_task = asyncio.create_task(_post(client, prefill, path, {**routed, "stream": False}))
     try:
@@ -191,7 +242,7 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def check_health() -> None:
         async with httpx.AsyncClient(timeout=2.0) as probe:
             while True:
-                for worker in state.prefill + state.decode:
+                for worker in state.workers:
                     try:
                         response = await probe.get(f"{worker.url}/health")
                         worker.healthy = response.status_code == 200
@@ -284,6 +335,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             "role": "router",
             "prefill": [vars(w) for w in state.prefill],
             "decode": [vars(w) for w in state.decode],
+            "encoder": [vars(w) for w in state.encoder],
             "ready": state.ready,
             "stats": dict(state.counters),
         }
@@ -293,7 +345,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         lines = [f"pdctl_router_{k}_total {v}" for k, v in state.counters.items()]
         lines += [
             f'pdctl_router_worker_healthy{{role="{w.role}",url="{w.url}"}} {int(w.healthy)}'
-            for w in state.prefill + state.decode
+            for w in state.workers
         ]
         return PlainTextResponse("\n".join(lines) + "\n")
 
@@ -324,6 +376,7 @@ def run(args: ServerArgs) -> None:
         prefill=[Worker("prefill", url.rstrip("/"), port) for url, port in args.prefill],
         decode=[Worker("decode", url.rstrip("/")) for url in args.decode],
         timeout=args.request_timeout,
+        encoder=[Worker("encoder", url.rstrip("/")) for url in args.encoder],
     )
     log.info(
         "routing %d prefill and %d decode workers (%s)",

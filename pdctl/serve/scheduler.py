@@ -122,7 +122,13 @@ class Scheduler:
         if end < request.prompt_len:  # chunk boundaries on pages keep KV rows page-aligned
             end = max(start + 1, end - end % self.page_size)
         tokens = torch.tensor(request.input_ids[start:end], dtype=torch.int64)
-        return Piece(tokens, start, self._rows(request, end), want_logits=end == request.prompt_len)
+        embeds = tuple(
+            (max(at, start) - start, rows[max(start - at, 0) : end - at])
+            for at, rows in request.embeds
+            if at < end and at + rows.shape[0] > start  # the part inside this chunk
+        )
+        rows = self._rows(request, end)
+        return Piece(tokens, start, rows, want_logits=end == request.prompt_len, embeds=embeds)
 
     def _decode_piece(self, request: Request) -> Piece:
         position = request.prompt_len + len(request.output_ids) - 1

@@ -56,6 +56,12 @@ class GenerateBody(BaseModel):
     bootstrap_host: str | None = Field(None, max_length=255)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, le=2**63 - 1)
+    # multimodal (see multimodal.py): from clients `image` / `images`; from an EPD router
+    # the expanded prompt's `mm_items` and the `embedding_room` prefill received them in
+    image: Any = None
+    images: list[Any] | None = Field(None, max_length=8)
+    mm_items: list[dict[str, int]] | None = Field(None, max_length=8)
+    embedding_room: int | None = Field(None, ge=0, le=2**63 - 1)
 
 
 class CompletionBody(BaseModel):

@@ -87,13 +87,23 @@ def encode_pieces(pieces: Sequence[Piece]) -> torch.Tensor:
     parts = [torch.tensor(meta, dtype=torch.int64).reshape(-1)]
     parts += [p.tokens.to(torch.int64) for p in pieces]
     parts += [p.rows.to(torch.int64) for p in pieces]
-    return torch.cat([torch.tensor([len(pieces)], dtype=torch.int64), *parts])
+    # multimodal rows, as the bits of float32 values (exact for every model dtype)
+    embed_meta = [len(p.embeds) for p in pieces]
+    for piece in pieces:
+        for index, rows in piece.embeds:
+            embed_meta += [index, rows.shape[0], rows.shape[1]]
+            bits = rows.detach().to("cpu", torch.float32).contiguous().view(torch.int32)
+            parts.append(bits.reshape(-1).to(torch.int64))
+    parts.insert(0, torch.tensor(embed_meta, dtype=torch.int64))
+    return torch.cat([torch.tensor([len(pieces), len(embed_meta)], dtype=torch.int64), *parts])
 
 
 def decode_pieces(payload: torch.Tensor) -> list[Piece]:
-    count = int(payload[0])
-    meta = payload[1 : 1 + 4 * count].view(count, 4).tolist()
-    offset = 1 + 4 * count
+    count, embed_len = int(payload[0]), int(payload[1])
+    embed_meta = payload[2 : 2 + embed_len].tolist()
+    offset = 2 + embed_len
+    meta = payload[offset : offset + 4 * count].view(count, 4).tolist()
+    offset += 4 * count
     tokens = []
     for row in meta:
         tokens.append(payload[offset : offset + row[0]])
@@ -102,6 +112,16 @@ def decode_pieces(payload: torch.Tensor) -> list[Piece]:
     for (_, start, want, rows), piece_tokens in zip(meta, tokens, strict=True):
         pieces.append(Piece(piece_tokens, start, payload[offset : offset + rows], bool(want)))
         offset += rows
+    cursor = count
+    for piece, num_embeds in zip(pieces, embed_meta[:count], strict=True):
+        embeds = []
+        for _ in range(num_embeds):
+            index, height, width = embed_meta[cursor : cursor + 3]
+            cursor += 3
+            bits = payload[offset : offset + height * width].to(torch.int32)
+            embeds.append((index, bits.view(torch.float32).view(height, width)))
+            offset += height * width
+        piece.embeds = tuple(embeds)
     return pieces
 
 

@@ -15,7 +15,11 @@ log = logging.getLogger("pdctl.serve")
 
 
 class PeerCallError(RuntimeError):
-    """A call to another PD process failed; the message names it."""
+    """A call to another PD process failed; the message names it (status: the HTTP one)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def run_secret() -> bytes:
@@ -73,7 +77,10 @@ class Client:
                     detail = response.json().get("error", response.text)
                 except ValueError:
                     detail = response.text
-                raise PeerCallError(f"{self.name} refused {path}: {response.status_code} {detail}")
+                raise PeerCallError(
+                    f"{self.name} refused {path}: {response.status_code} {detail}",
+                    response.status_code,
+                )
             value: dict[str, Any] = response.json()
             return value
 

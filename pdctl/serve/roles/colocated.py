@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdctl.serve.http import ServerContext, create_app
-from pdctl.serve.roles.common import build_engine, serve, server_info
+from pdctl.serve.roles.common import build_engine, in_process_encoder, serve, server_info
 from pdctl.serve.runtime import Rank
 
 
@@ -16,5 +16,6 @@ def run(rank: Rank) -> None:
         vocab_size=rank.config.shape.vocab_size,
         max_context=rank.max_context,
         info=server_info(rank),
+        encode=in_process_encoder(rank),
     )
     serve(rank, context, [(create_app(context), rank.args.host, rank.args.port)])

@@ -7,7 +7,8 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -108,3 +109,23 @@ def serve(rank: Rank, context: ServerContext, apps: list[tuple[FastAPI, str, int
     finally:
         context.engine.stop()
         stop_ranks(rank)
+
+
+def in_process_encoder(rank: Rank) -> Callable[[Any, list[Any]], tuple[list[int], list[Any]]]:
+    """For ServerContext.encode: the encoder model run inside this server (colocated)."""
+    from pdctl.serve.encoder_model import EncoderModel
+    from pdctl.serve.multimodal import encode_prompt, splices
+    from pdctl.serve.runtime import DTYPES
+
+    shape = rank.config.shape
+    model = EncoderModel(
+        shape.hidden_size, dtype=DTYPES[rank.args.dtype], device=rank.device, seed=rank.args.seed
+    )
+    lock = threading.Lock()
+
+    def encode(body: Any, images: list[Any]) -> tuple[list[int], list[Any]]:
+        with lock:
+            ids, items, rows = encode_prompt(model, rank.tokenizer, shape.vocab_size, body, images)
+        return ids, splices(items, rows)
+
+    return encode

@@ -17,8 +17,10 @@ from pdctl.serve.args import ServerArgs
 from pdctl.serve.bootstrap import BootstrapError, Rooms, bootstrap_app
 from pdctl.serve.engine import Engine
 from pdctl.serve.http import BadRequest, ServerContext, create_app
+from pdctl.serve.multimodal import PromptError, check_items, splices
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import Client, run_secret, warn_if_no_secret
+from pdctl.serve.pd.embeddings import EmbeddingError, EmbeddingReceiver
 from pdctl.serve.pd.endpoint import make_transport
 from pdctl.serve.pd.sender import KVSender
 from pdctl.serve.request import Request
@@ -26,6 +28,7 @@ from pdctl.serve.roles.common import build_engine, serve, server_info
 from pdctl.serve.runtime import Rank
 from pdctl.serve.sampling import TokenChoice
 from pdctl.staging import device as dev
+from pdctl.staging.embedding_pool import EmbeddingPool
 
 log = logging.getLogger("pdctl.serve")
 OP_SEND = 10
@@ -65,6 +68,7 @@ class PrefillHooks:
         self.pending: dict[int, dict[str, Any]] = {}  # room -> {rid, reports}
         self.lock = threading.Lock()
         self.sender = make_sender(rank, self._snapshot, self.report)
+        self.embeddings: EmbeddingReceiver | None = None  # rank 0 of an EPD topology
         # What /get_server_info reports as kv_sent (benchmarks read the deltas).
         self.sent_totals: dict[str, Any] = {
             "rooms": 0,
@@ -84,11 +88,28 @@ class PrefillHooks:
                 "a prefill server serves PD requests only: bootstrap_room is missing",
                 "bootstrap_room",
             )
+        if pd.get("embedding_room") is not None or pd.get("mm_items") is not None:
+            self._take_embeddings(request, pd)
         try:
             self.rooms.start(int(room))
         except BootstrapError as exc:
             raise BadRequest(str(exc), "bootstrap_room", status=exc.status) from None
         request.room = int(room)
+
+    def _take_embeddings(self, request: Request, pd: dict[str, Any]) -> None:
+        """An EPD request: splice the embeddings the encoder wrote into this prompt."""
+        if self.embeddings is None:
+            raise BadRequest("this prefill server receives no embeddings", "embedding_room")
+        if pd.get("embedding_room") is None or pd.get("mm_items") is None:
+            raise BadRequest("an EPD request needs both mm_items and embedding_room", "mm_items")
+        try:
+            rows = self.embeddings.take(int(pd["embedding_room"]))
+            items = check_items(pd["mm_items"], request.prompt_len, rows.shape[0])
+        except EmbeddingError as exc:
+            raise BadRequest(f"prefill: {exc}", "embedding_room", status=exc.status) from None
+        except PromptError as exc:
+            raise BadRequest(f"prefill: {exc}", exc.field) from None
+        request.embeds = splices(items, rows)
 
     def prefilled(self, request: Request, choice: TokenChoice) -> None:
         assert request.room is not None and self.engine is not None
@@ -158,6 +179,16 @@ def run(rank: Rank) -> None:
     rooms = Rooms(layout_of(rank), args.bootstrap_timeout)
     hooks = PrefillHooks(rank, rooms)
     rooms.on_sent = hooks.report
+    hooks.embeddings = EmbeddingReceiver(
+        EmbeddingPool(
+            device_type=rank.device.type,
+            gpu_id=rank.device.index,
+            size_bytes=int(args.embedding_pool_mb * (1 << 20)),
+        ),
+        hooks.sender.transport,
+        rank.config.shape.hidden_size,
+        expiry_s=args.bootstrap_timeout + args.transfer_timeout,
+    )
     engine = build_engine(rank, hooks=hooks)
     hooks.engine = engine
     engine.start()
@@ -171,6 +202,7 @@ def run(rank: Rank) -> None:
             "bootstrap_port": args.bootstrap_port,
             "open_rooms": rooms.open_rooms(),
             "kv_sent": dict(hooks.sent_totals),
+            "embeddings": hooks.embeddings.state() if hooks.embeddings else None,
         },
         prepare=hooks.prepare,
     )
@@ -182,7 +214,11 @@ def run(rank: Rank) -> None:
     }
     apps = [
         (create_app(context), args.host, args.port),
-        (bootstrap_app(rooms, run_secret(), info), args.host, args.bootstrap_port),
+        (
+            bootstrap_app(rooms, run_secret(), info, hooks.embeddings),
+            args.host,
+            args.bootstrap_port,
+        ),
     ]
     serve(rank, context, apps)
 

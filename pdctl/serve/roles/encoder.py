@@ -1,0 +1,211 @@
+"""The encoder role of an EPD topology: images in, embeddings into prefill's pool.
+
+`POST /encode` takes a request's prompt (text with `<image>` markers, or input_ids
+with -1 markers) and its images, plus the prefill bootstrap endpoint and an
+`embedding_room` the router chose. It runs the encoder model, builds the expanded
+prompt (multimodal.py), copies the embeddings into its registered send buffer,
+synchronizes the device (every accelerator, not only CUDA: transports do not order
+against device streams), asks prefill for a slot, writes the rows there with the
+topology's transport, and reports their digest; prefill checks it. The answer is
+the prompt the router sends on to prefill and decode: `input_ids`, `mm_items`.
+
+The encoder model is small and runs on rank 0; with TP > 1 the other ranks only
+hold the language model's shards (the launcher's layout), they take no part.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse
+
+from pdctl.serve.encoder_model import EncoderModel
+from pdctl.serve.faults import faults
+from pdctl.serve.http import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
+from pdctl.serve.multimodal import PromptError, digest_of, encode_prompt, images_of
+from pdctl.serve.pd.client import Client, PeerCallError, warn_if_no_secret
+from pdctl.serve.pd.endpoint import make_transport
+from pdctl.serve.roles.common import run_servers, server_info
+from pdctl.serve.runtime import DTYPES, Rank, stop_ranks
+from pdctl.serve.schemas import GenerateBody, error_body
+from pdctl.staging.buffer import StagingBuffer
+from pdctl.staging.embedding_pool import synchronize_before_send
+from pdctl.staging.transport import Peer
+
+log = logging.getLogger("pdctl.serve")
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class EncodeFailed(Exception):
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Encoder:
+    def __init__(self, rank: Rank) -> None:
+        args = rank.args
+        self.rank, self.args = rank, args
+        shape = rank.config.shape
+        self.vocab = shape.vocab_size
+        self.model = EncoderModel(
+            shape.hidden_size, dtype=DTYPES[args.dtype], device=rank.device, seed=args.seed
+        )
+        self.transport = make_transport(args)
+        self.buffer = StagingBuffer(int(args.embedding_pool_mb * (1 << 20)), rank.device)
+        self.transport.register(
+            self.buffer.ptr,
+            self.buffer.nbytes,
+            device_type=rank.device.type,
+            device_index=rank.device.index,
+        )
+        self.peers: dict[str, Peer] = {}
+        self.lock = threading.Lock()  # one request at a time uses the model and the buffer
+        self.counters = {"requests": 0, "images": 0, "failed": 0, "bytes": 0}
+
+    def encode(self, body: GenerateBody, images: list[Any], target: dict[str, Any]) -> Any:
+        with self.lock:
+            started = time.perf_counter()
+            ids, items, rows = encode_prompt(
+                self.model, self.rank.tokenizer, self.vocab, body, images
+            )
+            encode_ms = (time.perf_counter() - started) * 1e3
+            started = time.perf_counter()
+            self._send(rows, target)
+            transfer_ms = (time.perf_counter() - started) * 1e3
+            self.counters["requests"] += 1
+            self.counters["images"] += len(images)
+            self.counters["bytes"] += rows.numel() * rows.element_size()
+        return {
+            "input_ids": ids,
+            "mm_items": items,
+            "embedding_room": target["room"],
+            "num_image_tokens": int(rows.shape[0]),
+            "encode_ms": round(encode_ms, 3),
+            "transfer_ms": round(transfer_ms, 3),
+        }
+
+    def _send(self, rows: torch.Tensor, target: dict[str, Any]) -> None:
+        nbytes = rows.numel() * rows.element_size()
+        if nbytes > self.buffer.nbytes:
+            raise EncodeFailed(
+                f"{nbytes} bytes of embeddings exceed the encoder's send buffer "
+                f"({self.buffer.nbytes}); raise --embedding-pool-mb",
+                status=413,
+            )
+        staged = self.buffer.view(0, nbytes)
+        staged.copy_(rows.contiguous().reshape(-1).view(torch.uint8))
+        digest = digest_of(staged)
+        if faults().hit("corrupt-embedding") is not None:  # after the digest: prefill must notice
+            staged[nbytes // 2] ^= 0xFF
+        src, length = synchronize_before_send(staged)
+        client = Client(target["bootstrap"], "prefill bootstrap", self.args.bootstrap_timeout)
+        try:
+            self._transfer(client, target["room"], rows, src, length, digest)
+        finally:
+            client.close()
+
+    def _transfer(
+        self, client: Client, room: int, rows: torch.Tensor, src: int, length: int, digest: int
+    ) -> None:
+        slot = self._slot(client, room, rows)
+        if int(slot["bytes"]) != length:
+            raise EncodeFailed(f"prefill offered {slot['bytes']} bytes for {length}")
+        peer = self._peer(slot["transport"])
+        try:
+            self.transport.write(peer, [src], [int(slot["ptr"])], [length])
+        except Exception as exc:  # the transport names the peer and the failure
+            raise EncodeFailed(f"writing embeddings to prefill failed: {exc}") from None
+        try:
+            client.call("POST", "/bootstrap/embedding/sent", json={"room": room, "digest": digest})
+        except PeerCallError as exc:
+            raise EncodeFailed(str(exc), status=exc.status or 502) from None
+
+    def _slot(self, client: Client, room: int, rows: torch.Tensor) -> dict[str, Any]:
+        body = {
+            "room": room,
+            "num_tokens": int(rows.shape[0]),
+            "hidden_size": int(rows.shape[1]),
+            "dtype": DTYPE_NAMES[rows.dtype],
+        }
+        deadline = time.monotonic() + self.args.bootstrap_timeout
+        while True:
+            try:
+                slot: dict[str, Any] = client.call("POST", "/bootstrap/embedding/alloc", json=body)
+                return slot
+            except PeerCallError as exc:
+                if exc.status != 503 or time.monotonic() > deadline:
+                    raise EncodeFailed(str(exc), status=exc.status or 502) from None
+            time.sleep(0.05)  # prefill's pool is full: its requests free slots as they start
+
+    def _peer(self, description: str) -> Peer:
+        if description not in self.peers:
+            self.peers[description] = self.transport.connect(base64.b64decode(description))
+        return self.peers[description]
+
+
+def encoder_app(encoder: Encoder, rank: Rank) -> FastAPI:
+    app = FastAPI(title="pdctl encoder", docs_url=None, redoc_url=None)
+    guard_json_depth(app)
+    info = server_info(rank)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return {**info, "encoder": dict(encoder.counters)}
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return {"model_path": rank.model_name, "vocab_size": encoder.vocab, "is_encoder": True}
+
+    @app.post("/encode")
+    async def encode(request: HttpRequest) -> Any:
+        import asyncio
+
+        refused = refuse_oversized(request, MAX_BODY_BYTES)
+        if refused is not None:
+            return JSONResponse(error_body(refused[1]), status_code=refused[0])
+        try:
+            raw = await request.json()
+            body = GenerateBody.model_validate(raw)
+            host, port, room = raw["bootstrap_host"], raw["bootstrap_port"], raw["embedding_room"]
+            if not (isinstance(host, str) and isinstance(port, int) and isinstance(room, int)):
+                raise ValueError("bootstrap_host, bootstrap_port and embedding_room are required")
+            images = images_of(body)
+            if not images:
+                raise PromptError("no image in the request", "images")
+        except PromptError as exc:
+            return JSONResponse(error_body(f"encoder: {exc}", exc.field), status_code=400)
+        except (ValueError, KeyError, TypeError, RecursionError, UnicodeDecodeError) as exc:
+            return JSONResponse(error_body(f"encoder: bad request: {exc}"), status_code=400)
+        target = {"bootstrap": f"http://{host}:{port}", "room": room}
+        try:
+            return await asyncio.to_thread(encoder.encode, body, images, target)
+        except PromptError as exc:
+            return JSONResponse(error_body(f"encoder: {exc}", exc.field), status_code=400)
+        except EncodeFailed as exc:
+            encoder.counters["failed"] += 1
+            status = exc.status if 400 <= exc.status < 600 else 502
+            return JSONResponse(error_body(f"encoder: {exc}", status=status), status_code=status)
+
+    return app
+
+
+def run(rank: Rank) -> None:
+    args = rank.args
+    warn_if_no_secret("encoder", args.host)
+    encoder = Encoder(rank)
+    try:
+        run_servers([(encoder_app(encoder, rank), args.host, args.port)])
+    finally:
+        stop_ranks(rank)
