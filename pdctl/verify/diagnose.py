@@ -10,6 +10,8 @@ position with the tokens around it and both runs' top-5 logprobs there:
 - **nondeterministic**: the same serial run, repeated, differs: the engine, not PD;
 - **kv-corruption**: a digest of the KV differs between prefill and decode (named
   layer, decode rank);
+- **embedding-corruption**: EPD: the embeddings prefill received differ from what
+  the encoder sent (digest of the slot in prefill's embedding pool);
 - **request-failed**: the request errored or timed out (named role);
 - **cache-miss**: the prefix-hit pass reused no cached token.
 """
@@ -26,6 +28,10 @@ CONTEXT = 3
 KV_CORRUPTION = re.compile(
     r"KV corruption in room (?P<room>\d+): layer (?P<layer>\d+) (?P<kv>[KV]) from prefill rank "
     r"(?P<prefill>\d+) to decode rank (?P<decode>\d+)(?: \((?P<where>[^)]*)\))?"
+)
+EMBEDDING_CORRUPTION = re.compile(
+    r"embedding corruption in room (?P<room>\d+): the encoder sent digest (?P<sent>0x[0-9a-f]+), "
+    r"prefill received (?P<received>0x[0-9a-f]+)"
 )
 ROLES = ("prefill", "decode", "router", "encoder")
 
@@ -73,6 +79,23 @@ def request_failure(pass_name: str, result: Result) -> Finding:
                 "prefill_rank": int(corruption["prefill"]),
                 "decode_rank": int(corruption["decode"]),
                 "where": corruption["where"] or "where unknown",
+                "error": error,
+            },
+        )
+    embedding = EMBEDDING_CORRUPTION.search(error)
+    if embedding:
+        return Finding(
+            pass_name,
+            result.prompt.id,
+            "embedding-corruption",
+            f"embedding corruption between the encoder and prefill (embedding room "
+            f"{embedding['room']}): sent digest {embedding['sent']}, "
+            f"received {embedding['received']}",
+            evidence={
+                "room": int(embedding["room"]),
+                "sent": embedding["sent"],
+                "received": embedding["received"],
+                "where": "encoder -> prefill embedding pool",
                 "error": error,
             },
         )

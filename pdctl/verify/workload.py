@@ -9,8 +9,9 @@ prompts go through the tokenizer. Every prompt is token ids or text, never both.
 
 from __future__ import annotations
 
+import base64
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pdctl.core import MODEL_PRESETS
@@ -30,17 +31,24 @@ class Prompt:
     input_ids: list[int] | None = None
     text: str | None = None
     family: str | None = None
+    images: tuple[Any, ...] = ()  # EPD topologies: images the encoder turns into embeddings
 
     @property
     def length(self) -> int:
         return len(self.input_ids) if self.input_ids is not None else len(self.text or "")
 
     def body(self) -> dict[str, Any]:
-        return {"input_ids": self.input_ids} if self.input_ids is not None else {"text": self.text}
+        body: dict[str, Any] = (
+            {"input_ids": self.input_ids} if self.input_ids is not None else {"text": self.text}
+        )
+        if self.images:
+            body["images"] = list(self.images)
+        return body
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["length"] = self.length
+        data["images"] = len(self.images)  # regenerated from the seed, like the ids
         if self.input_ids is not None:
             data["input_ids"] = None  # the ids are regenerated from the seed; keep reports small
         return data
@@ -56,6 +64,7 @@ class Shape:
     ring: int
     max_context: int
     vocab: int
+    encoder: bool = False
 
     @staticmethod
     def of(topology: Topology) -> Shape:
@@ -74,7 +83,8 @@ class Shape:
             max_context, vocab = preset.max_position, preset.vocab_size
         else:  # a checkpoint: sizes pdctl cannot derive without reading it
             segment, ring, max_context, vocab = 512, 2048, 4096, 32000
-        return Shape(page, chunk, max(page, segment), max(page, ring), max_context, vocab)
+        encoder = topology.roles.encoder is not None
+        return Shape(page, chunk, max(page, segment), max(page, ring), max_context, vocab, encoder)
 
 
 def build(shape: Shape, count: int, seed: int, max_new_tokens: int) -> list[Prompt]:
@@ -123,4 +133,43 @@ def build(shape: Shape, count: int, seed: int, max_new_tokens: int) -> list[Prom
             texts += 1
         else:
             prompts.append(Prompt(pid, kind, ids(lengths[kind])))
-    return prompts
+    return with_images(prompts, rng) if shape.encoder else prompts
+
+
+def image(rng: random.Random, height: int, width: int, raw: bool) -> Any:
+    """A deterministic 3-channel image: base64 uint8 bytes, or nested lists of floats."""
+    if raw:
+        data = bytes(rng.randrange(256) for _ in range(3 * height * width))
+        return {
+            "data": base64.b64encode(data).decode(),
+            "dtype": "uint8",
+            "shape": [3, height, width],
+        }
+    return [
+        [[round(rng.random(), 3) for _ in range(width)] for _ in range(height)] for _ in range(3)
+    ]
+
+
+def with_images(prompts: list[Prompt], rng: random.Random) -> list[Prompt]:
+    """EPD: images on the short prompts. A family shares one image at its start, so the
+    prefix-hit pass reuses image positions too; a text prompt marks where its image goes;
+    every third sub-page or one-page prompt carries two images of different sizes."""
+    family_images = {f: image(rng, 16, 16, raw=True) for f in ("f0", "f1")}
+    out, count = [], 0
+    for prompt in prompts:
+        if prompt.kind == "family" and prompt.family is not None:
+            prompt = replace(prompt, images=(family_images[prompt.family],))
+        elif prompt.kind == "text" and prompt.text is not None:
+            words = prompt.text.split(" ")
+            text = " ".join([*words[:3], "<image>", *words[3:]])
+            prompt = replace(prompt, text=text, images=(image(rng, 8, 12, raw=False),))
+        elif prompt.kind in ("sub-page", "one-page"):
+            count += 1
+            shapes = [(12, 8), (4, 16)] if count % 3 == 0 else [(8, 8)]
+            marks = [-1] * len(shapes)
+            assert prompt.input_ids is not None
+            ids = [*prompt.input_ids[:1], *marks[:1], *prompt.input_ids[1:], *marks[1:]]
+            images = tuple(image(rng, h, w, raw=bool(count % 2)) for h, w in shapes)
+            prompt = replace(prompt, input_ids=ids, images=images)
+        out.append(prompt)
+    return out
