@@ -143,3 +143,16 @@ def test_images_need_an_encoder(epd: Run) -> None:
     prefill_info = httpx.get(f"{prefill}/get_server_info", timeout=10).json()
     assert prefill_info["embeddings"]["rooms"] >= 1 and prefill_info["embeddings"]["open"] == 0
     json.dumps(prefill_info)
+
+
+def test_an_encoder_that_dies_is_named(
+    env: dict[str, str],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "verify.json"
+    result = verify(env, str(EPD), "--inject", "kill-role:role=encoder,after=2", *QUICK,
+                    "--json", str(out))  # fmt: skip
+    report = report_of(out)
+    assert result.returncode == 1
+    died = [f for f in report["findings"] if f["classification"] == "role-died"]
+    assert died and "encoder-0" in died[0]["message"], report["findings"]

@@ -189,6 +189,7 @@ def encoder_app(encoder: Encoder, rank: Rank) -> FastAPI:
         except (ValueError, KeyError, TypeError, RecursionError, UnicodeDecodeError) as exc:
             return JSONResponse(error_body(f"encoder: bad request: {exc}"), status_code=400)
         target = {"bootstrap": f"http://{host}:{port}", "room": room}
+        faults().request_arrived()  # kill-role (role=encoder); off unless asked for
         try:
             return await asyncio.to_thread(encoder.encode, body, images, target)
         except PromptError as exc:
