@@ -35,8 +35,8 @@ say "installing torch==$TORCH_VERSION"
 pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==$TORCH_VERSION"
 
 # 4. pdctl itself with the extras CI exercises (Triton for the interpreter, Mooncake CPU wheel).
-say "installing pdctl[dev,triton,mooncake-cpu]"
-pip install -e ".[dev,triton,mooncake-cpu,router]"
+say "installing pdctl[dev,triton,mooncake-cpu,router,ray]"
+pip install -e ".[dev,triton,mooncake-cpu,router,ray]"
 
 # 5. NIXL without its dependency list (which would pull a CUDA torch).
 say "installing nixl-cu12==$NIXL_VERSION and nixl==$NIXL_VERSION with --no-deps"

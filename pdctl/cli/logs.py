@@ -40,6 +40,14 @@ def logs(
     run = runs[-1]
     directory = Path(str(run.data["run_dir"]))
     files = sorted(directory.glob("*.log"))
+    if not files and run.on_ray:  # the run's nodes are other hosts: ask each one
+        from pdctl.launch.ray_launcher import recorded_log_tails
+
+        for name, text in recorded_log_tails(run.data, lines).items():
+            if process is None or name.startswith(process):
+                console.out.print(f"==> {name} (on its node) <==", markup=False, highlight=False)
+                console.out.print(text, markup=False, highlight=False)
+        return
     if process is not None:
         files = [f for f in files if f.name.startswith(process)]
         if not files:

@@ -22,12 +22,20 @@ from pdctl.topology.resolve import EnvEntry, ServerLayout, role_spec
 
 @dataclass(frozen=True)
 class PortRef:
-    key: str  # "<owner>.<slot>", e.g. "prefill-0.bootstrap"
+    key: str  # "<owner>.<slot>", e.g. "prefill-0.bootstrap"; "<owner>.host" for its address
+    default: str | None = None  # hosts: the topology's host unless the launcher says otherwise
 
-    def render(self, ports: Mapping[str, int] | None) -> str:
+    def render(self, ports: Mapping[str, int | str] | None) -> str:
         if ports and self.key in ports:
             return str(ports[self.key])
+        if self.default is not None:
+            return self.default
         return f"<{self.key}>"
+
+
+def host_ref(topology: Topology, owner: str) -> PortRef:
+    """The address `owner` listens on: the topology's host, or (launcher ray) its node's."""
+    return PortRef(f"{owner}.host", topology.host)
 
 
 @dataclass(frozen=True)
@@ -36,7 +44,7 @@ class Arg:
 
     parts: tuple[str | PortRef, ...]
 
-    def render(self, ports: Mapping[str, int] | None = None) -> str:
+    def render(self, ports: Mapping[str, int | str] | None = None) -> str:
         return "".join(p if isinstance(p, str) else p.render(ports) for p in self.parts)
 
 
@@ -47,8 +55,8 @@ def command(*items: str | PortRef | Arg) -> Command:
     return tuple(item if isinstance(item, Arg) else Arg((item,)) for item in items)
 
 
-def url(host: str, port: PortRef) -> Arg:
-    return Arg((f"http://{host}:", port))
+def url(host: str | PortRef, port: PortRef) -> Arg:
+    return Arg(("http://", host, ":", port))
 
 
 def joined(refs: list[PortRef], separator: str = ",") -> Arg:
@@ -59,11 +67,11 @@ def joined(refs: list[PortRef], separator: str = ",") -> Arg:
     return Arg(tuple(parts))
 
 
-def render_command(cmd: Command, ports: Mapping[str, int] | None = None) -> list[str]:
+def render_command(cmd: Command, ports: Mapping[str, int | str] | None = None) -> list[str]:
     return [arg.render(ports) for arg in cmd]
 
 
-def shell_line(cmd: Command, ports: Mapping[str, int] | None = None) -> str:
+def shell_line(cmd: Command, ports: Mapping[str, int | str] | None = None) -> str:
     return shlex.join(render_command(cmd, ports))
 
 

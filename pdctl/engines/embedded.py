@@ -19,6 +19,7 @@ from pdctl.engines.base import (
     PortSlot,
     base_slots,
     command,
+    host_ref,
     joined,
     python,
     render_command,
@@ -121,7 +122,7 @@ class EmbeddedEngine(Engine):
             "--role", server.role,
             "--topology-name", topology.name,
             "--replica", str(server.replica),
-            "--host", topology.host,
+            "--host", Arg((host_ref(topology, server.name),)),
             "--port", Arg((slots["http"].ref,)),
             "--tp", str(server.tp),
         ]  # fmt: skip

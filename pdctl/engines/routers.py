@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 
-from pdctl.engines.base import Arg, Command, PortSlot, command, managed_flag_issues, python, url
+from pdctl.engines.base import (
+    Arg,
+    Command,
+    PortSlot,
+    command,
+    host_ref,
+    managed_flag_issues,
+    python,
+    url,
+)
 from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import ServerLayout
@@ -41,16 +50,17 @@ def router_slots(topology: Topology) -> list[PortSlot]:
 def router_command(
     topology: Topology, servers: Sequence[tuple[ServerLayout, Mapping[str, PortSlot]]]
 ) -> Command:
-    host = topology.host
+    host = host_ref(topology, "router")
     http, *extra = router_slots(topology)
     workers: list[str | Arg] = []
     for server, slots in servers:
+        where = url(host_ref(topology, server.name), slots["http"].ref)
         if server.role == "prefill":
-            workers += ["--prefill", url(host, slots["http"].ref), Arg((slots["bootstrap"].ref,))]
+            workers += ["--prefill", where, Arg((slots["bootstrap"].ref,))]
         elif server.role == "decode":
-            workers += ["--decode", url(host, slots["http"].ref)]
+            workers += ["--decode", where]
         elif server.role == "encoder":
-            workers += ["--encoder", url(host, slots["http"].ref)]
+            workers += ["--encoder", where]
     if topology.router.kind == "sglang-router":
         head: list[str | Arg] = [
             python(),
@@ -60,11 +70,11 @@ def router_command(
         ]
         timeout = f"{topology.transfer.timeouts.request_s:g}"
         tail: list[str | Arg] = ["--request-timeout-secs", timeout]
-        tail += ["--prometheus-host", host, "--prometheus-port", Arg((extra[0].ref,))]
+        tail += ["--prometheus-host", Arg((host,)), "--prometheus-port", Arg((extra[0].ref,))]
     else:
         head = [python(), "-m", "pdctl.serve", "--role", "router", "--topology-name", topology.name]
         tail = ["--request-timeout", f"{topology.transfer.timeouts.request_s:g}"]
-    args = [*head, *workers, "--host", host, "--port", Arg((http.ref,)), *tail]
+    args = [*head, *workers, "--host", Arg((host,)), "--port", Arg((http.ref,)), *tail]
     return command(*args, *topology.router.args)
 
 

@@ -12,7 +12,16 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import ClassVar
 
-from pdctl.engines.base import Arg, Command, Engine, PortSlot, base_slots, command, python
+from pdctl.engines.base import (
+    Arg,
+    Command,
+    Engine,
+    PortSlot,
+    base_slots,
+    command,
+    host_ref,
+    python,
+)
 from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import EnvEntry, ServerLayout, merged_user_env, role_spec
@@ -58,7 +67,7 @@ class SGLangEngine(Engine):
         args: list[str | Arg] = [
             python(), "-m", "sglang.launch_server",
             "--model-path", str(topology.model.path),
-            "--host", topology.host,
+            "--host", Arg((host_ref(topology, server.name),)),
             "--port", Arg((slots["http"].ref,)),
             "--disaggregation-mode", server.role,
             "--disaggregation-transfer-backend", transfer.backend,
@@ -74,7 +83,10 @@ class SGLangEngine(Engine):
             "--nccl-port", Arg((slots["nccl"].ref,)),
         ]  # fmt: skip
         if "dist" in slots:
-            args += ["--dist-init-addr", Arg((f"{topology.host}:", slots["dist"].ref))]
+            args += [
+                "--dist-init-addr",
+                Arg((host_ref(topology, server.name), ":", slots["dist"].ref)),
+            ]
         args += [
             "--page-size", str(serving.page_size),
             "--max-running-requests", str(serving.max_running_requests),

@@ -70,6 +70,13 @@ def run_name(plan: LaunchPlan) -> str:
 
 
 class Run:
+    def __new__(cls, plan: LaunchPlan, *args: Any, **kwargs: Any) -> Run:
+        if cls is Run and plan.topology.launcher.kind == "ray":
+            from pdctl.launch.ray_run import RayRun
+
+            return super().__new__(RayRun)
+        return super().__new__(cls)
+
     def __init__(
         self,
         plan: LaunchPlan,
@@ -95,6 +102,7 @@ class Run:
         self.started_at = time.time()
         self.state_path: Path | None = None
         self.warnings: list[str] = []  # what the run could not do as asked (not fatal)
+        self.hosts: dict[str, str] = {}  # process -> its address, where not the topology's host
 
     # -- what the run is -------------------------------------------------------------
     @property
@@ -105,22 +113,35 @@ class Run:
     def host(self) -> str:
         return self.plan.topology.host
 
+    def host_of(self, name: str) -> str:
+        return self.hosts.get(name, self.host)
+
+    @property
+    def render_map(self) -> dict[str, int | str]:
+        """What fills a command's placeholders: ports, and hosts where they differ."""
+        return {**self.ports, **{f"{name}.host": host for name, host in self.hosts.items()}}
+
     @property
     def router_url(self) -> str:
-        return f"http://{self.host}:{self.ports['router.http']}"
+        return f"http://{self.host_of('router')}:{self.ports['router.http']}"
 
     def state(self, name: str) -> ProcessState:
         return next(s for s in self.states if s.plan.name == name)
 
-    def env_for(self, process: ProcessPlan) -> dict[str, str]:
-        env = dict(self.parent_env)
-        for entry in process.env:
-            env[entry.name] = entry.value
+    def env_overrides(self, process: ProcessPlan) -> dict[str, str]:
+        """What the process's environment changes of its parent's: topology and run."""
+        env = {entry.name: entry.value for entry in process.env}
         env[RUN_ID_VAR] = self.run_id
         env[RUN_SECRET_VAR] = self.secret  # never on a command line
         env["PDCTL_LOG_DIR"] = str(self.dir)
         env["PDCTL_PROCESS_NAME"] = process.name
         env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def env_for(self, process: ProcessPlan) -> dict[str, str]:
+        env = {**self.parent_env, **self.env_overrides(process)}
+        if "PYTHONUNBUFFERED" in self.parent_env:
+            env["PYTHONUNBUFFERED"] = self.parent_env["PYTHONUNBUFFERED"]
         warning = confine(env, self.host)
         if warning and warning not in self.warnings:
             self.warnings.append(warning)
@@ -151,7 +172,7 @@ class Run:
                     "titles": [r.title for r in s.plan.ranks],
                     "log": str(s.spawned.log_path) if s.spawned else None,
                     "stage": s.stage,
-                    "command": render_command(s.plan.command, self.ports),
+                    "command": render_command(s.plan.command, self.render_map),
                 }
                 for s in self.states
             ],
@@ -272,14 +293,14 @@ class Run:
         return {s.plan.name: listeners(s.spawned.pid) for s in self.states if s.spawned}
 
     def _check_listeners(self) -> None:
-        if not is_loopback(self.host):
-            return
         for name, found in self.listeners().items():
+            if not is_loopback(self.host_of(name)):
+                continue
             exposed = [str(x) for x in found if not x.loopback]
             if exposed:
                 self.warnings.append(
                     f"{name} listens beyond loopback on {', '.join(exposed)} "
-                    f"although the topology's host is {self.host}"
+                    f"although its host is {self.host_of(name)}"
                 )
 
     def _describe(self, state: ProcessState) -> str:
@@ -334,7 +355,8 @@ class Run:
         try:
             if role == "prefill" and f"{state.plan.name}.bootstrap" in self.ports:
                 port = self.ports[f"{state.plan.name}.bootstrap"]
-                response = client.get(f"http://{self.host}:{port}/bootstrap/info", headers=auth)
+                host = self.host_of(state.plan.name)
+                response = client.get(f"http://{host}:{port}/bootstrap/info", headers=auth)
                 if response.status_code != 200:
                     return f"bootstrap endpoint answered {response.status_code}"
             elif role in ("decode", "encoder", "colocated"):

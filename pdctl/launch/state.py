@@ -43,11 +43,25 @@ class RunState:
     def processes(self) -> list[dict[str, Any]]:
         return list(self.data["processes"])
 
+    @property
+    def on_ray(self) -> bool:
+        """Started by `launcher: ray`: its processes are asked through their Ray actors."""
+        return self.data.get("launcher") == "ray"
+
     def alive(self, process: dict[str, Any]) -> bool:
+        if self.on_ray:
+            from pdctl.launch.ray_launcher import recorded_alive
+
+            return recorded_alive({**self.data, "processes": [process]}).get(process["name"], False)
         pid = process.get("pid")
         return pid is not None and pid_alive(int(pid), process.get("start_time"))
 
     def live_processes(self) -> list[dict[str, Any]]:
+        if self.on_ray:
+            from pdctl.launch.ray_launcher import recorded_alive
+
+            alive = recorded_alive(self.data)
+            return [p for p in self.processes if alive.get(p["name"])]
         return [p for p in self.processes if self.alive(p)]
 
     @property
@@ -73,6 +87,12 @@ class RunState:
     def stop(self, grace: float = 5.0) -> tuple[int, list[int]]:
         """End every live process group of the run (only processes whose PID and start
         time match the record); (groups ended, PIDs of those groups still alive after)."""
+        if self.on_ray:
+            from pdctl.launch.ray_launcher import stop_recorded
+
+            left = stop_recorded(self.data, grace)
+            pids = [int(p["pid"]) for p in self.processes if p["name"] in left]
+            return len(self.processes), pids
         pgids = [int(p["pgid"]) for p in self.live_processes()]
         stop_groups(pgids, grace)
         return len(pgids), [pid for pgid in pgids for pid in group_members(pgid)]

@@ -209,9 +209,28 @@ class RouterSpec(Strict):
 class LauncherSpec(Strict):
     """Where and how processes start; `launcher: KIND` is short for `{kind: KIND}`."""
 
-    kind: Literal["local"] = Field("local", description="Where processes run: this host.")
+    kind: Literal["local", "ray"] = Field(
+        "local", description="local: this host; ray: the nodes of a Ray cluster."
+    )
     startup_timeout_s: Seconds = Field(120, description="Until every process is ready.")
     run_dir: str = Field("runs", description="Logs and run state, relative to the working dir.")
+    address: str = Field(
+        "auto",
+        max_length=300,
+        description="ray: auto (RAY_ADDRESS or the cluster started on this host), local "
+        "(start one here), host:port of the GCS, or ray://host:port.",
+    )
+    placement: Literal["spread", "pack"] = Field(
+        "spread", description="ray: spread the servers across nodes, or pack them together."
+    )
+    resources: dict[
+        Annotated[str, Field(pattern=r"^(prefill|decode|encoder|router)$")],
+        dict[Annotated[str, Field(min_length=1, max_length=100)], Annotated[float, Field(gt=0)]],
+    ] = Field(
+        default_factory=dict,
+        description="ray: Ray resources each server of a role needs, which picks its node "
+        "(e.g. {prefill: {node-a: 0.01}} or {decode: {GPU: 2}}).",
+    )
 
 
 class ServingSpec(Strict):

@@ -218,6 +218,8 @@ def requirements(topology: Topology) -> Requirements:
         need(modules, "sglang", "engine: sglang")
     if topology.router.kind == "sglang-router":
         need(modules, "sglang_router", "router: sglang-router")
+    if topology.launcher.kind == "ray":
+        need(modules, "ray", "launcher: ray")
     return Requirements(
         device_type=topology.device,
         device_count=count,

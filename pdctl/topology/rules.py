@@ -303,6 +303,28 @@ def check_faults(topology: Topology, context: RuleContext) -> Iterator[Issue]:
             )
 
 
+def check_launcher(topology: Topology, context: RuleContext) -> Iterator[Issue]:
+    """Ray's keys mean nothing to the local launcher; roles pinned must exist."""
+    launcher = topology.launcher
+    if launcher.kind == "local":
+        for key, default in (("address", "auto"), ("placement", "spread")):
+            if getattr(launcher, key) != default:
+                yield Issue(
+                    ("launcher", key),
+                    f"launcher.{key} applies to kind: ray, not local",
+                    "set launcher.kind: ray, or remove the key",
+                )
+        if launcher.resources:
+            yield Issue(
+                ("launcher", "resources"),
+                "launcher.resources applies to kind: ray, not local",
+                "set launcher.kind: ray, or remove the key",
+            )
+    for role in launcher.resources:
+        if role != "router" and getattr(topology.roles, role, None) is None:
+            yield Issue(("launcher", "resources", role), f"there is no {role} role to place")
+
+
 RULES: tuple[Rule, ...] = (
     check_model,
     check_tp,
@@ -316,6 +338,7 @@ RULES: tuple[Rule, ...] = (
     transfer_rules,
     env_rules,
     check_faults,
+    check_launcher,
 )
 
 

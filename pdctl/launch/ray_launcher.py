@@ -1,0 +1,344 @@
+"""`launcher: ray`: each server process of a run on a node of a Ray cluster.
+
+pdctl does not manage remote hosts itself. For every process of the plan it creates
+one small Ray actor (no CPU of its own), placed by a placement group: one bundle per
+process, the role's `launcher.resources` in it (how a role is pinned to nodes), the
+bundles spread across nodes or packed. The actor does on its node what the local
+launcher does on this host: it reserves the process's ports (the same host-wide
+reservations), starts the server in its own process group with the same environment
+(the topology's and the run's variables, its secret; loopback confinement when the
+node's address is loopback), writes its log, reports its exit, and ends the group.
+The server dies with its actor (parent-death signal), and the actor is detached and
+named `<run>/<process>` in the `pdctl` namespace, so `pdctl down` from another shell
+finds it. Every process listens on its node's address, and the commands name each
+other by those addresses (`<name>.host`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdctl.errors import LaunchError
+
+NAMESPACE = "pdctl"
+# Ray gives an actor without GPUs an empty device list; servers get the topology's own.
+RAY_DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+CALL_TIMEOUT_S = 60.0
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise LaunchError(
+            "launcher: ray needs the ray package", hint="pip install 'pdctl[ray]'"
+        ) from None
+    return ray
+
+
+def connect(address: str) -> Any:
+    """Connect this process to the cluster (`local` starts one here, on loopback)."""
+    if address == "local":
+        # a one-node instance for this process, all of it on loopback: Ray reads this when
+        # it is imported (without it Ray registers the node under the host's routable
+        # address)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        if address == "local":
+            ray.init(
+                address="local",  # a new instance, even when a cluster runs on this host
+                namespace=NAMESPACE,
+                include_dashboard=False,
+                log_to_driver=False,
+                _node_ip_address="127.0.0.1",
+            )
+        else:
+            ray.init(
+                address=None if address == "auto" else address,
+                namespace=NAMESPACE,
+                log_to_driver=False,
+            )
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise LaunchError(
+            f"cannot connect to the Ray cluster at {address!r}: {exc}",
+            hint="start one (`ray start --head`), set launcher.address, or use address: local",
+        ) from None
+    if address == "local":
+        addresses = {str(node["NodeManagerAddress"]) for node in ray.nodes()}
+        if not all(ipaddress.ip_address(a).is_loopback for a in addresses):
+            ray.shutdown()
+            raise LaunchError(
+                f"the local Ray instance registered {', '.join(sorted(addresses))}, not loopback",
+                hint="start pdctl in a fresh process (ray was imported before pdctl set "
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), or use a cluster address",
+            )
+    return ray
+
+
+class ProcessHost:
+    """The actor: one server process on this node (methods run in the actor)."""
+
+    def __init__(self) -> None:
+        self.process: Any = None
+        self.log_path: Path | None = None
+        self.allocation: Any = None
+
+    def node(self) -> dict[str, Any]:
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        # the address the node joined the cluster with (not a guess from this worker:
+        # a worker would pick the host's routable address even on a loopback node)
+        ip = next(
+            (n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id),
+            ray.util.get_node_ip_address(),
+        )
+        return {"ip": ip, "node_id": node_id, "hostname": socket.gethostname()}
+
+    def reserve(self, slots: list[tuple[str, str, str, int | None]], host: str) -> dict[str, int]:
+        from pdctl.engines.base import PortSlot
+        from pdctl.launch.ports import allocate
+
+        self.allocation = allocate([PortSlot(*slot) for slot in slots], host)
+        return dict(self.allocation.ports)
+
+    def release(self) -> None:
+        if self.allocation is not None:
+            self.allocation.release()
+            self.allocation = None
+
+    def spawn(self, name: str, argv: list[str], overrides: dict[str, str], log_path: str,
+              host: str) -> int:  # fmt: skip
+        from pdctl.launch.loopback import confine
+        from pdctl.launch.processes import spawn
+
+        env = {k: v for k, v in os.environ.items() if k not in RAY_DEVICE_VARS}
+        env.update(overrides)
+        warning = confine(env, host)
+        self.log_path = Path(log_path)
+        spawned = spawn(name, argv, env, self.log_path, die_with_parent=True)
+        self.process = spawned.process
+        if warning:
+            with open(self.log_path, "a") as log:
+                log.write(f"pdctl: {warning}\n")
+        return int(spawned.pid)
+
+    def poll(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def alive(self) -> bool:
+        from pdctl.launch.processes import group_alive
+
+        return self.process is not None and group_alive(self.process.pid)
+
+    def log_tail(self, lines: int) -> str:
+        from pdctl.launch.processes import tail
+
+        return tail(self.log_path, lines) if self.log_path else ""
+
+    def read_log(self) -> bytes:
+        if self.log_path is None:
+            return b""
+        with contextlib.suppress(OSError):
+            return self.log_path.read_bytes()[-(16 << 20) :]
+        return b""
+
+    def listeners(self) -> list[tuple[int, str, int]]:
+        from pdctl.launch.listeners import listeners
+
+        if self.process is None:
+            return []
+        return [(x.pid, x.address, x.port) for x in listeners(self.process.pid)]
+
+    def stop(self, grace: float) -> bool:
+        """End the process group; True when nothing of it is left."""
+        from pdctl.launch.processes import group_alive, stop_groups
+
+        self.release()
+        if self.process is None:
+            return True
+        stop_groups([self.process.pid], grace, [self.process])
+        return not group_alive(self.process.pid)
+
+
+@dataclass
+class RemoteSpawned:
+    """A server started by a ProcessHost actor: what the launcher needs of `Spawned`."""
+
+    name: str
+    pid: int
+    log_path: Path
+    actor: Any
+    node: dict[str, Any]
+
+    def _call(self, method: str, *args: Any) -> Any:
+        ray = import_ray()
+        return ray.get(getattr(self.actor, method).remote(*args), timeout=CALL_TIMEOUT_S)
+
+    def exit_description(self) -> str | None:
+        from pdctl.launch.processes import describe_exit
+
+        try:
+            code = self._call("poll")
+        except Exception as exc:  # the actor (or its node) is gone: so is the server
+            return f"lost with its Ray actor ({type(exc).__name__})"
+        return None if code is None else describe_exit(int(code))
+
+    def log_tail(self, lines: int = 30) -> str:
+        from pdctl.launch.processes import tail
+
+        if self.log_path.exists():
+            return tail(self.log_path, lines)
+        try:
+            return str(self._call("log_tail", lines))
+        except Exception:
+            return ""
+
+    def collect_log(self) -> None:
+        """Copy the log into this host's run directory when the node is another host."""
+        if self.log_path.exists():
+            return
+        with contextlib.suppress(Exception):
+            data = self._call("read_log")
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.log_path.write_bytes(data)
+
+
+class RayPlacement:
+    """The actors and placement group of one run."""
+
+    def __init__(self, run_name: str, address: str, placement: str,
+                 resources: Mapping[str, Mapping[str, float]]) -> None:  # fmt: skip
+        self.ray = connect(address)
+        self.run_name, self.address = run_name, address
+        self.strategy = "PACK" if placement == "pack" else "SPREAD"
+        self.resources = resources
+        self.actors: dict[str, Any] = {}
+        self.group: Any = None
+
+    def place(self, processes: Sequence[tuple[str, str]], timeout: float) -> dict[str, Any]:
+        """One actor per (process name, role); name -> its node {ip, node_id, hostname}."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundles = [{"CPU": 0.01, **self.resources.get(role, {})} for _, role in processes]
+        # detached, like the actors: a driver's own group (and its actors) ends with it
+        self.group = placement_group(
+            bundles, strategy=self.strategy, name=f"{self.run_name}/group", lifetime="detached"
+        )
+        ready = self.group.ready()
+        done, _ = self.ray.wait([ready], timeout=timeout)
+        if not done:
+            self.close()
+            raise LaunchError(
+                f"the Ray cluster at {self.address} cannot place the run's {len(bundles)} "
+                f"servers within {timeout:g} s (bundles: {bundles}, strategy {self.strategy})",
+                hint="check `ray status`: each bundle needs a node with those resources",
+            )
+        remote = self.ray.remote(ProcessHost)
+        nodes = {}
+        for index, (name, role) in enumerate(processes):
+            actor = remote.options(
+                name=f"{self.run_name}/{name}",
+                namespace=NAMESPACE,
+                lifetime="detached",
+                num_cpus=0.01,
+                resources=dict(self.resources.get(role, {})),
+                max_concurrency=4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.group, placement_group_bundle_index=index
+                ),
+            ).remote()
+            self.actors[name] = actor
+        for name, actor in self.actors.items():
+            nodes[name] = self.ray.get(actor.node.remote(), timeout=timeout)
+        return nodes
+
+    def call(self, name: str, method: str, *args: Any) -> Any:
+        return self.ray.get(
+            getattr(self.actors[name], method).remote(*args), timeout=CALL_TIMEOUT_S
+        )
+
+    def stop(self, grace: float) -> list[str]:
+        """End every server (router first: reverse order), then the actors; names left."""
+        left = []
+        for name in reversed(list(self.actors)):
+            try:
+                if not self.call(name, "stop", grace):
+                    left.append(name)
+            except Exception:  # actor already gone: its server died with it
+                pass
+        self.close()
+        return left
+
+    def close(self) -> None:
+        for actor in self.actors.values():
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor)
+        self.actors.clear()
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                self.ray.util.remove_placement_group(self.group)
+            self.group = None
+
+
+def stop_recorded(record: Mapping[str, Any], grace: float = 5.0) -> list[str]:
+    """`pdctl down` of a Ray run started elsewhere: find its named actors and end them."""
+    ray_info = record.get("ray") or {}
+    ray = connect(str(ray_info.get("address", "auto")))
+    left = []
+    for process in reversed(record.get("processes", [])):
+        name = f"{record['name']}/{process['name']}"
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            continue  # already gone
+        try:
+            if not ray.get(actor.stop.remote(grace), timeout=CALL_TIMEOUT_S):
+                left.append(process["name"])
+        finally:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+    with contextlib.suppress(Exception):
+        group = ray.util.get_placement_group(f"{record['name']}/group")
+        ray.util.remove_placement_group(group)
+    return left
+
+
+def recorded_log_tails(record: Mapping[str, Any], lines: int) -> dict[str, str]:
+    """Process name -> the tail of its rank-0 log, read on its node (`pdctl logs`)."""
+    ray_info = record.get("ray") or {}
+    ray = connect(str(ray_info.get("address", "auto")))
+    found = {}
+    for process in record.get("processes", []):
+        with contextlib.suppress(Exception):
+            actor = ray.get_actor(f"{record['name']}/{process['name']}", namespace=NAMESPACE)
+            found[process["name"]] = str(
+                ray.get(actor.log_tail.remote(lines), timeout=CALL_TIMEOUT_S)
+            )
+    return found
+
+
+def recorded_alive(record: Mapping[str, Any]) -> dict[str, bool]:
+    """Process name -> whether its server still runs (for `pdctl status` of a Ray run)."""
+    ray_info = record.get("ray") or {}
+    ray = connect(str(ray_info.get("address", "auto")))
+    found = {}
+    for process in record.get("processes", []):
+        try:
+            actor = ray.get_actor(f"{record['name']}/{process['name']}", namespace=NAMESPACE)
+            found[process["name"]] = bool(ray.get(actor.alive.remote(), timeout=CALL_TIMEOUT_S))
+        except Exception:
+            found[process["name"]] = False
+    return found
