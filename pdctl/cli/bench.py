@@ -202,13 +202,7 @@ def pd(
     opts = options(ctx, json, verbose, quiet)
     from pdctl.launch import bench as pd_bench
 
-    chosen = tuple(b.strip() for b in backends.split(",") if b.strip())
-    unknown = sorted(set(chosen) - set(pd_bench.BACKENDS))
-    if unknown:
-        raise UsageError(
-            f"--backends: unknown transport(s) {', '.join(unknown)}",
-            hint=f"choose from {', '.join(pd_bench.BACKENDS)}",
-        )
+    chosen = chosen_backends(backends)
     report = pd_bench.bench_pd(
         topology, backends=chosen, prompts=prompts, prompt_len=prompt_len,
         new_tokens=new_tokens, concurrency=concurrency,
@@ -253,6 +247,20 @@ def pd(
         console.warning(f"{backend} not measured: {reason}")
 
 
+def chosen_backends(backends: str) -> tuple[str, ...]:
+    """--backends as a tuple, every name a known transport."""
+    from pdctl.launch.bench import BACKENDS
+
+    chosen = tuple(b.strip() for b in backends.split(",") if b.strip())
+    unknown = sorted(set(chosen) - set(BACKENDS))
+    if unknown or not chosen:
+        raise UsageError(
+            f"--backends: unknown transport(s) {', '.join(unknown) or '(none given)'}",
+            hint=f"choose from {', '.join(BACKENDS)}",
+        )
+    return chosen
+
+
 @bench_app.command("soak")
 def soak(
     ctx: typer.Context,
@@ -280,7 +288,7 @@ def soak(
     from pdctl.errors import CheckFailed
     from pdctl.launch.soak import bench_soak
 
-    chosen = tuple(b.strip() for b in backends.split(",") if b.strip())
+    chosen = chosen_backends(backends)
     report = bench_soak(
         topology, backends=chosen, requests=requests, concurrency=concurrency,
         pool_mb=pool_mb, new_tokens=new_tokens, unique=unique,

@@ -144,9 +144,15 @@ def measure(
     return row
 
 
-def _variant(path: Path, backend: str, directory: Path) -> Path:
+def variant(
+    path: Path, backend: str, directory: Path, staging: dict[str, float] | None = None
+) -> Path:
+    """The topology file with another transport (and staging sizes), written to `directory`."""
     data = yaml.safe_load(path.read_text())
-    data.setdefault("transfer", {})["backend"] = backend
+    transfer = data.setdefault("transfer", {})
+    transfer["backend"] = backend
+    if staging:
+        transfer.setdefault("staging", {}).update(staging)
     target = directory / f"{path.stem}-{backend}.yaml"
     target.write_text(yaml.safe_dump(data, sort_keys=False))
     return target
@@ -173,7 +179,7 @@ def bench_pd(
                 skipped[backend] = f"none of {', '.join(modules)} is importable"
                 continue
             try:
-                plan = make_plan(load_checked(_variant(topology, backend, Path(scratch))))
+                plan = make_plan(load_checked(variant(topology, backend, Path(scratch))))
             except TopologyError as exc:
                 skipped[backend] = str(exc).splitlines()[0]
                 continue

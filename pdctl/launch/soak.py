@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
+from pdctl.launch.bench import variant
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.processes import group_members
 from pdctl.launch.requirements import unmet
@@ -62,18 +62,6 @@ def _generate(client: httpx.Client, url: str, prompt: list[int], new_tokens: int
     if response.status_code != 200:
         return f"{response.status_code}: {response.text[:300]}"
     return response.json()["output_ids"]
-
-
-def _variant(path: Path, backend: str, pool_mb: float, directory: Path) -> Path:
-    data = yaml.safe_load(path.read_text())
-    transfer = data.setdefault("transfer", {})
-    transfer["backend"] = backend
-    staging = transfer.setdefault("staging", {})
-    staging["pool_size_mb"] = pool_mb
-    staging["segment_size_mb"] = pool_mb / 4
-    target = directory / f"{path.stem}-soak-{backend}.yaml"
-    target.write_text(yaml.safe_dump(data, sort_keys=False))
-    return target
 
 
 def soak_one(
@@ -157,7 +145,8 @@ def bench_soak(
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="pdctl-soak-") as scratch:
         for backend in backends:
-            plan = make_plan(load_checked(_variant(topology, backend, pool_mb, Path(scratch))))
+            staging = {"pool_size_mb": pool_mb, "segment_size_mb": pool_mb / 4}
+            plan = make_plan(load_checked(variant(topology, backend, Path(scratch), staging)))
             problems = unmet(plan.requirements)
             if problems:
                 skipped[backend] = "; ".join(problems)
