@@ -153,7 +153,8 @@ async def _encode(
     state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any], prefill: Worker
 ) -> dict[str, Any]:
     """EPD: a request with images goes to an encoder first, which writes the embeddings
-    into `prefill`'s pool; the body that goes on carries the expanded prompt instead."""
+    into `prefill`'s pool; the body that goes on carries the expanded prompt instead
+    (and, for the answer's meta_info, `_embedding_transfer`)."""
     if body.get("image") is None and body.get("images") is None:
         return body
     if path != "/generate":
@@ -175,6 +176,7 @@ async def _encode(
         "input_ids": encoded["input_ids"],
         "mm_items": encoded["mm_items"],
         "embedding_room": room,
+        "_embedding_transfer": encoded.get("embedding_transfer"),
     }
 
 
@@ -183,6 +185,7 @@ async def route_one(
 ) -> Any:
     prefill, decode = state.pick()
     body = await _encode(state, client, path, body, prefill)
+    embedding = body.pop("_embedding_transfer", None)
     routed = _with_bootstrap({**body, "stream": False}, prefill)
     prefill_task = asyncio.create_task(_post(client, prefill, path, routed))
     decode_task = asyncio.create_task(_post(client, decode, path, routed))
@@ -198,7 +201,10 @@ async def route_one(
                 raise error
         response = await decode_task
         await prefill_task
-        return response.json()
+        answer = response.json()
+        if embedding is not None and isinstance(answer.get("meta_info"), dict):
+            answer["meta_info"]["embedding_transfer"] = embedding
+        return answer
     finally:
         for task in (prefill_task, decode_task):
             task.cancel()
@@ -214,6 +220,7 @@ async def route_stream(
         yield f"data: {json.dumps(error_body(str(exc), status=exc.status))}\n\n".encode()
         yield b"data: [DONE]\n\n"
         return
+    body.pop("_embedding_transfer", None)
     routed = _with_bootstrap(body, prefill)
     prefill_task = asyncio.create_task(_post(client, prefill, path, {**routed, "stream": False}))
     try:

@@ -22,6 +22,7 @@ class Result:
     top: list[list[tuple[int, float]]] = field(default_factory=list)  # per position, best first
     cached_tokens: int = 0
     kv_transfer: dict[str, Any] | None = None
+    embedding_transfer: dict[str, Any] | None = None  # EPD: what the encoder wrote to prefill
     latency_ms: float = 0.0
     error: str | None = None
     status: int | None = None
@@ -35,6 +36,7 @@ class Result:
             "output_ids": self.output_ids,
             "cached_tokens": self.cached_tokens,
             "kv_transfer": self.kv_transfer,
+            "embedding_transfer": self.embedding_transfer,
             "latency_ms": round(self.latency_ms, 2),
             "error": self.error,
         }
@@ -103,6 +105,7 @@ def generate(
         top=[[(int(e[1]), float(e[0])) for e in position or []] for position in tops],
         cached_tokens=int(meta.get("cached_tokens", 0) or 0),
         kv_transfer=meta.get("kv_transfer"),
+        embedding_transfer=meta.get("embedding_transfer"),
         latency_ms=latency,
         status=200,
     )

@@ -46,6 +46,14 @@ def test_epd_verifies_token_exact_against_the_colocated_encoder(
     prompts = report["passes"][0]["requests"]
     assert sum(1 for p in report["workload"]["prompts"] if p["images"]) >= 4, report["workload"]
     assert all(r["ok"] for r in prompts)
+    with_images = {p["id"] for p in report["workload"]["prompts"] if p["images"]}
+    for request in prompts:  # the digest prefill checked is in every EPD request's record
+        moved = request["embedding_transfer"]
+        if request["id"] in with_images:
+            assert moved["digest_ok"] and moved["bytes"] > 0 and moved["transport"] == backend
+            assert moved["num_image_tokens"] >= 4
+        else:
+            assert moved is None
     reference = next(p for p in report["passes"] if p["name"] == "reference")
     assert reference["requests"] and all(r["ok"] for r in reference["requests"])
 

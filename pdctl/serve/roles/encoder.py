@@ -78,7 +78,7 @@ class Encoder:
             )
             encode_ms = (time.perf_counter() - started) * 1e3
             started = time.perf_counter()
-            self._send(rows, target)
+            digest = self._send(rows, target)
             transfer_ms = (time.perf_counter() - started) * 1e3
             self.counters["requests"] += 1
             self.counters["images"] += len(images)
@@ -87,12 +87,19 @@ class Encoder:
             "input_ids": ids,
             "mm_items": items,
             "embedding_room": target["room"],
-            "num_image_tokens": int(rows.shape[0]),
-            "encode_ms": round(encode_ms, 3),
-            "transfer_ms": round(transfer_ms, 3),
+            "embedding_transfer": {
+                "num_image_tokens": int(rows.shape[0]),
+                "bytes": rows.numel() * rows.element_size(),
+                "transport": self.args.transfer_backend,
+                "digest": f"{digest:#018x}",
+                "digest_ok": True,  # prefill compared it with what it received, or refused
+                "encode_ms": round(encode_ms, 3),
+                "transfer_ms": round(transfer_ms, 3),
+            },
         }
 
-    def _send(self, rows: torch.Tensor, target: dict[str, Any]) -> None:
+    def _send(self, rows: torch.Tensor, target: dict[str, Any]) -> int:
+        """Write `rows` into prefill's pool; the digest prefill checked them against."""
         nbytes = rows.numel() * rows.element_size()
         if nbytes > self.buffer.nbytes:
             raise EncodeFailed(
@@ -111,6 +118,7 @@ class Encoder:
             self._transfer(client, target["room"], rows, src, length, digest)
         finally:
             client.close()
+        return digest
 
     def _transfer(
         self, client: Client, room: int, rows: torch.Tensor, src: int, length: int, digest: int
