@@ -68,8 +68,14 @@ def test_a_corrupted_embedding_is_caught_and_classified(
     report = report_of(out)
     assert result.returncode == 1
     kinds = {f["classification"] for f in report["findings"]}
-    assert kinds == {"embedding-corruption"}, report["findings"]
-    evidence = report["findings"][0]["evidence"]
+    # every failed request is the corruption; a prefix family whose requests were the
+    # corrupted ones can also leave the prefix-hit pass without a hit
+    assert "embedding-corruption" in kinds and kinds <= {"embedding-corruption", "cache-miss"}, (
+        report["findings"]
+    )
+    evidence = next(f for f in report["findings"] if f["classification"] == "embedding-corruption")[
+        "evidence"
+    ]
     assert evidence["sent"] != evidence["received"]
     assert evidence["where"] == "encoder -> prefill embedding pool"
 
