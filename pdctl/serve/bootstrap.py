@@ -140,6 +140,8 @@ class Rooms:
             item = self._room(room)
             item.closed = how
             item.created = time.monotonic()
+            # a tombstone (kept TOMBSTONE_S to refuse replays) needs no page lists
+            item.registrations, item.sent = {}, {}
             self._changed.notify_all()
 
     def wait_for(self, room: int, condition: dict[str, int], timeout: float) -> dict[str, Any]:
