@@ -94,7 +94,9 @@ def test_files_stay_small() -> None:
 
 
 def test_nothing_kills_processes_by_name() -> None:
-    pattern = re.compile(r"\b(pkill|killall)\b")
+    # the banned commands are spelled in pieces so that this file does not name them
+    banned = ("p" + "kill", "kill" + "all")
+    pattern = re.compile(r"\b(" + "|".join(banned) + r")\b")
     places = [
         *SOURCES,
         REPO / "Makefile",
