@@ -183,18 +183,13 @@ def bench_pd(
             except TopologyError as exc:
                 skipped[backend] = str(exc).splitlines()[0]
                 continue
-            run = Run(plan)
             progress(f"{backend}: starting {plan.topology.name}")
-            run.start()
-            try:
-                run.wait_ready()
+            with Run(plan).serving() as run:
                 progress(f"{backend}: measuring {prompts} requests")
                 row = {"config": f"PD {backend}", "transport": backend}
                 prefill = run.state("prefill-0").url
                 row.update(measure(run.router_url, work, new_tokens, concurrency, prefill))
                 rows.append(row)
-            finally:
-                run.stop()
         progress("colocated reference: starting")
         plan = make_plan(load_checked(topology))
         run = Run(plan)

@@ -16,6 +16,7 @@ wildcard bind to loopback. PDCTL_LOOPBACK_SHIM=0 turns the shim off.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import os
@@ -28,7 +29,6 @@ from pdctl.launch.ports import state_dir
 
 SOURCE = Path(__file__).with_name("loopback_bind.c")
 INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "UCX_NET_DEVICES")
-_built: dict[Path, Path] = {}
 
 
 def is_loopback(host: str) -> bool:
@@ -40,12 +40,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+@functools.cache
+def _source_hash() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
 def shim_library() -> Path:
     """The compiled shim (built on first use); raises OSError saying why it cannot be."""
-    source = SOURCE.read_bytes()
-    target = state_dir() / "native" / f"loopback-bind-{hashlib.sha256(source).hexdigest()[:12]}.so"
-    if target in _built or target.exists():
-        _built[target] = target
+    target = state_dir() / "native" / f"loopback-bind-{_source_hash()}.so"
+    if target.exists():
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -62,7 +65,6 @@ def shim_library() -> Path:
         if result.returncode != 0:
             raise OSError(f"building the loopback bind shim failed: {result.stderr.strip()}")
         os.replace(built, target)  # atomic: concurrent launches never load half a file
-    _built[target] = target
     return target
 
 

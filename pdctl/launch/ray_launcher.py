@@ -125,6 +125,7 @@ class ProcessHost:
 
         env = {k: v for k, v in os.environ.items() if k not in RAY_DEVICE_VARS}
         env.update(overrides)
+        env.setdefault("PYTHONUNBUFFERED", "1")
         warning = confine(env, host)
         self.log_path = Path(log_path)
         spawned = spawn(name, argv, env, self.log_path, die_with_parent=True)
@@ -183,8 +184,7 @@ class RemoteSpawned:
     node: dict[str, Any]
 
     def _call(self, method: str, *args: Any) -> Any:
-        ray = import_ray()
-        return ray.get(getattr(self.actor, method).remote(*args), timeout=CALL_TIMEOUT_S)
+        return _ask(import_ray(), self.actor, method, *args)
 
     def exit_description(self) -> str | None:
         from pdctl.launch.processes import describe_exit
@@ -266,19 +266,11 @@ class RayPlacement:
         return nodes
 
     def call(self, name: str, method: str, *args: Any) -> Any:
-        return self.ray.get(
-            getattr(self.actors[name], method).remote(*args), timeout=CALL_TIMEOUT_S
-        )
+        return _ask(self.ray, self.actors[name], method, *args)
 
     def stop(self, grace: float) -> list[str]:
         """End every server (router first: reverse order), then the actors; names left."""
-        left = []
-        for name in reversed(list(self.actors)):
-            try:
-                if not self.call(name, "stop", grace):
-                    left.append(name)
-            except Exception:  # actor already gone: its server died with it
-                pass
+        left = [n for n in reversed(list(self.actors)) if not _end(self.ray, self.actors[n], grace)]
         self.close()
         return left
 
@@ -293,23 +285,38 @@ class RayPlacement:
             self.group = None
 
 
+def _end(ray: Any, actor: Any, grace: float) -> bool:
+    """Stop the actor's server, then the actor; False when something of the server is left."""
+    try:
+        return bool(ray.get(actor.stop.remote(grace), timeout=CALL_TIMEOUT_S))
+    except Exception:  # the actor is already gone, and its server died with it
+        return True
+    finally:
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
+
+
+def _recorded(record: Mapping[str, Any]) -> tuple[Any, list[tuple[str, Any]]]:
+    """For a run started elsewhere: Ray, and (process name, its actor or None if gone)."""
+    ray = connect(str((record.get("ray") or {}).get("address", "auto")))
+    found = []
+    for process in record.get("processes", []):
+        try:
+            actor = ray.get_actor(f"{record['name']}/{process['name']}", namespace=NAMESPACE)
+        except ValueError:
+            actor = None
+        found.append((str(process["name"]), actor))
+    return ray, found
+
+
+def _ask(ray: Any, actor: Any, method: str, *args: Any) -> Any:
+    return ray.get(getattr(actor, method).remote(*args), timeout=CALL_TIMEOUT_S)
+
+
 def stop_recorded(record: Mapping[str, Any], grace: float = 5.0) -> list[str]:
     """`pdctl down` of a Ray run started elsewhere: find its named actors and end them."""
-    ray_info = record.get("ray") or {}
-    ray = connect(str(ray_info.get("address", "auto")))
-    left = []
-    for process in reversed(record.get("processes", [])):
-        name = f"{record['name']}/{process['name']}"
-        try:
-            actor = ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
-            continue  # already gone
-        try:
-            if not ray.get(actor.stop.remote(grace), timeout=CALL_TIMEOUT_S):
-                left.append(process["name"])
-        finally:
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
+    ray, actors = _recorded(record)
+    left = [name for name, actor in reversed(actors) if actor and not _end(ray, actor, grace)]
     with contextlib.suppress(Exception):
         group = ray.util.get_placement_group(f"{record['name']}/group")
         ray.util.remove_placement_group(group)
@@ -318,27 +325,21 @@ def stop_recorded(record: Mapping[str, Any], grace: float = 5.0) -> list[str]:
 
 def recorded_log_tails(record: Mapping[str, Any], lines: int) -> dict[str, str]:
     """Process name -> the tail of its rank-0 log, read on its node (`pdctl logs`)."""
-    ray_info = record.get("ray") or {}
-    ray = connect(str(ray_info.get("address", "auto")))
+    ray, actors = _recorded(record)
     found = {}
-    for process in record.get("processes", []):
+    for name, actor in actors:
         with contextlib.suppress(Exception):
-            actor = ray.get_actor(f"{record['name']}/{process['name']}", namespace=NAMESPACE)
-            found[process["name"]] = str(
-                ray.get(actor.log_tail.remote(lines), timeout=CALL_TIMEOUT_S)
-            )
+            found[name] = str(_ask(ray, actor, "log_tail", lines))
     return found
 
 
 def recorded_alive(record: Mapping[str, Any]) -> dict[str, bool]:
     """Process name -> whether its server still runs (for `pdctl status` of a Ray run)."""
-    ray_info = record.get("ray") or {}
-    ray = connect(str(ray_info.get("address", "auto")))
+    ray, actors = _recorded(record)
     found = {}
-    for process in record.get("processes", []):
+    for name, actor in actors:
         try:
-            actor = ray.get_actor(f"{record['name']}/{process['name']}", namespace=NAMESPACE)
-            found[process["name"]] = bool(ray.get(actor.alive.remote(), timeout=CALL_TIMEOUT_S))
+            found[name] = actor is not None and bool(_ask(ray, actor, "alive"))
         except Exception:
-            found[process["name"]] = False
+            found[name] = False
     return found

@@ -14,22 +14,24 @@ from typing import Any
 
 from pdctl.engines.base import render_command
 from pdctl.launch.listeners import Listener
+from pdctl.launch.plan import LaunchPlan
 from pdctl.launch.ray_launcher import RayPlacement, RemoteSpawned
 from pdctl.launch.run import LaunchFailed, ProcessState, Run
 
 
 class RayRun(Run):
-    ray: RayPlacement | None = None
-    remote_ports: dict[str, int]
-    nodes: dict[str, Any]
+    def __init__(self, plan: LaunchPlan, *args: Any, **kwargs: Any) -> None:
+        super().__init__(plan, *args, **kwargs)
+        self.ray: RayPlacement | None = None
+        self.remote_ports: dict[str, int] = {}  # ports reserved on each process's node
+        self.nodes: dict[str, Any] = {}  # process -> {ip, node_id, hostname}
 
     @property
     def ports(self) -> dict[str, int]:
-        return getattr(self, "remote_ports", {})
+        return self.remote_ports
 
     def start(self) -> None:
         launcher = self.plan.topology.launcher
-        self.remote_ports, self.nodes = {}, {}
         self.ray = RayPlacement(self.name, launcher.address, launcher.placement, launcher.resources)
         try:
             self.nodes = self.ray.place(
@@ -90,9 +92,9 @@ class RayRun(Run):
         data["ray"] = {
             "address": self.plan.topology.launcher.address,
             "namespace": "pdctl",
-            "nodes": getattr(self, "nodes", {}),
+            "nodes": self.nodes,
         }
         for process in data["processes"]:
             process["start_time"] = None  # a PID on another node: Ray's actor says if it lives
-            process["node"] = getattr(self, "nodes", {}).get(process["name"])
+            process["node"] = self.nodes.get(process["name"])
         return data

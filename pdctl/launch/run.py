@@ -18,7 +18,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,13 +135,11 @@ class Run:
         env[RUN_SECRET_VAR] = self.secret  # never on a command line
         env["PDCTL_LOG_DIR"] = str(self.dir)
         env["PDCTL_PROCESS_NAME"] = process.name
-        env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
     def env_for(self, process: ProcessPlan) -> dict[str, str]:
         env = {**self.parent_env, **self.env_overrides(process)}
-        if "PYTHONUNBUFFERED" in self.parent_env:
-            env["PYTHONUNBUFFERED"] = self.parent_env["PYTHONUNBUFFERED"]
+        env.setdefault("PYTHONUNBUFFERED", "1")
         warning = confine(env, self.host)
         if warning and warning not in self.warnings:
             self.warnings.append(warning)
@@ -195,6 +193,16 @@ class Run:
             self.check_exits()
 
     # -- start -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[Run]:
+        """Start, wait until the run serves, and stop it on the way out, whatever happened."""
+        self.start()
+        try:
+            self.wait_ready()
+            yield self
+        finally:
+            self.stop()
+
     def start(self) -> None:
         """Allocate ports and spawn every process (servers first, the router last)."""
         slots = [slot for process in self.plan.processes for slot in process.ports]

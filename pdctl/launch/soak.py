@@ -151,19 +151,14 @@ def bench_soak(
             if problems:
                 skipped[backend] = "; ".join(problems)
                 continue
-            run = Run(plan)
             progress(f"{backend}: starting {base.name} (staging ring {pool_mb:g} MiB per rank)")
-            run.start()
-            try:
-                run.wait_ready()
+            with Run(plan).serving() as run:
                 row = {"transport": backend}
                 row.update(
                     soak_one(run, prompts, requests, concurrency, new_tokens, seed, progress)
                 )
                 rows.append(row)
                 progress(f"{backend}: {'PASS' if row['passed'] else 'FAIL'}")
-            finally:
-                run.stop()
     return {
         "topology": base.name,
         "unique_prompts": unique,

@@ -200,17 +200,15 @@ def prompts_of(body: GenerateBody, ctx: ServerContext) -> tuple[list[list[int]],
 
 async def multimodal_prompt(
     body: GenerateBody, ctx: ServerContext
-) -> tuple[list[tuple[int, Any]], list[list[int]], bool]:
-    """A request with images, on a server that encodes them in-process: (embeds, ids, False).
-
-    ([], [], False) when the body has no images.
-    """
+) -> tuple[list[int], list[tuple[int, Any]]] | None:
+    """A request with images, on a server that encodes them in-process: (prompt ids,
+    [(offset, embedding rows)]); None when the body has no images."""
     try:
         images = images_of(body)
     except PromptError as exc:
         raise BadRequest(str(exc), exc.field) from None
     if not images:
-        return [], [], False
+        return None
     if ctx.encode is None:
         raise BadRequest(
             "this server runs no encoder: send images through the router of an EPD "
@@ -218,10 +216,9 @@ async def multimodal_prompt(
             "images",
         )
     try:
-        ids, embeds = await asyncio.to_thread(ctx.encode, body, images)
+        return await asyncio.to_thread(ctx.encode, body, images)
     except PromptError as exc:
         raise BadRequest(str(exc), exc.field) from None
-    return embeds, [ids], False
 
 
 def refuse_oversized(request: HttpRequest, limit: int) -> tuple[int, str] | None:
@@ -325,9 +322,9 @@ def create_app(
 
     @app.post("/generate")
     async def generate(body: GenerateBody, http: HttpRequest) -> Response:
-        embeds, ids, batch = await multimodal_prompt(body, ctx)
-        if not embeds:
-            ids, batch = prompts_of(body, ctx)
+        multimodal = await multimodal_prompt(body, ctx)
+        embeds = multimodal[1] if multimodal else []
+        ids, batch = ([multimodal[0]], False) if multimodal else prompts_of(body, ctx)
         params = to_params(body.sampling_params)
         logprobs = body.top_logprobs_num if body.return_logprob else None
         pd = pd_fields(body)

@@ -81,9 +81,8 @@ def marked_prompt(text: Any, input_ids: Any, tokenizer: Tokenizer, vocab: int) -
 
 
 def digest_of(embeddings: torch.Tensor) -> int:
-    """One 64-bit digest of an embedding tensor's bytes."""
-    raw = embeddings.detach().contiguous().reshape(-1).view(torch.uint8)
-    return chunk_digests(raw.to("cpu"), 1)[0]
+    """One 64-bit digest of an embedding tensor's bytes (computed on its own device)."""
+    return chunk_digests(embeddings.detach().contiguous().reshape(-1).view(torch.uint8), 1)[0]
 
 
 def placeholder_ids(digest: int, count: int, vocab: int) -> list[int]:

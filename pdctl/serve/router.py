@@ -93,17 +93,19 @@ class RouterState:
 
 
 class SideFailed(Exception):
-    def __init__(self, side: Worker, message: str, status: int = 502) -> None:
-        text = f"{side.role} {side.url} failed: {message}" if side.url else f"router: {message}"
+    """A worker failed a request (side None: the router itself refused it)."""
+
+    def __init__(self, side: Worker | None, message: str, status: int = 502) -> None:
+        text = f"{side.role} {side.url} failed: {message}" if side else f"router: {message}"
         super().__init__(text)
-        self.side, self.status = side, status
+        self.side, self.message, self.status = side, message, status
 
     def paired_with(self, other: Worker) -> SideFailed:
         """The same failure, naming the other side of the request too (which decode a
         prefill waited for is often the real culprit)."""
-        failed = SideFailed(self.side, "", self.status)
-        failed.args = (f"{self.args[0]} (the request's {other.role}: {other.url})",)
-        return failed
+        return SideFailed(
+            self.side, f"{self.message} (the request's {other.role}: {other.url})", self.status
+        )
 
 
 async def _post(
@@ -151,17 +153,17 @@ def _split(body: dict[str, Any], key: str) -> list[dict[str, Any]] | None:
 
 async def _encode(
     state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any], prefill: Worker
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """EPD: a request with images goes to an encoder first, which writes the embeddings
-    into `prefill`'s pool; the body that goes on carries the expanded prompt instead
-    (and, for the answer's meta_info, `_embedding_transfer`)."""
+    into `prefill`'s pool. Returns the body that goes on (the expanded prompt instead of
+    the images) and what the encoder moved, for the answer's meta_info."""
     if body.get("image") is None and body.get("images") is None:
-        return body
+        return body, None
     if path != "/generate":
-        raise SideFailed(Worker("router", ""), "images are taken on /generate only", 400)
+        raise SideFailed(None, "images are taken on /generate only", 400)
     encoder = state.pick_encoder()
     if encoder is None:
-        raise SideFailed(Worker("router", ""), "this topology has no encoder for images", 400)
+        raise SideFailed(None, "this topology has no encoder for images", 400)
     room = secrets.randbits(63)
     request = {
         **body,
@@ -171,21 +173,20 @@ async def _encode(
     }
     encoded = (await _post(client, encoder, "/encode", request)).json()
     rest = {k: v for k, v in body.items() if k not in ("image", "images", "text", "input_ids")}
-    return {
+    routed = {
         **rest,
         "input_ids": encoded["input_ids"],
         "mm_items": encoded["mm_items"],
         "embedding_room": room,
-        "_embedding_transfer": encoded.get("embedding_transfer"),
     }
+    return routed, encoded.get("embedding_transfer")
 
 
 async def route_one(
     state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any]
 ) -> Any:
     prefill, decode = state.pick()
-    body = await _encode(state, client, path, body, prefill)
-    embedding = body.pop("_embedding_transfer", None)
+    body, embedding = await _encode(state, client, path, body, prefill)
     routed = _with_bootstrap({**body, "stream": False}, prefill)
     prefill_task = asyncio.create_task(_post(client, prefill, path, routed))
     decode_task = asyncio.create_task(_post(client, decode, path, routed))
@@ -215,12 +216,11 @@ async def route_stream(
 ) -> AsyncIterator[bytes]:
     prefill, decode = state.pick()
     try:
-        body = await _encode(state, client, path, body, prefill)
+        body, _ = await _encode(state, client, path, body, prefill)
     except SideFailed as exc:
         yield f"data: {json.dumps(error_body(str(exc), status=exc.status))}\n\n".encode()
         yield b"data: [DONE]\n\n"
         return
-    body.pop("_embedding_transfer", None)
     routed = _with_bootstrap(body, prefill)
     prefill_task = asyncio.create_task(_post(client, prefill, path, {**routed, "stream": False}))
     try:

@@ -67,6 +67,7 @@ class Encoder:
             device_index=rank.device.index,
         )
         self.peers: dict[str, Peer] = {}
+        self.clients: dict[str, Client] = {}
         self.lock = threading.Lock()  # one request at a time uses the model and the buffer
         self.counters = {"requests": 0, "images": 0, "failed": 0, "bytes": 0}
 
@@ -113,11 +114,7 @@ class Encoder:
         if faults().hit("corrupt-embedding") is not None:  # after the digest: prefill must notice
             staged[nbytes // 2] ^= 0xFF
         src, length = synchronize_before_send(staged)
-        client = Client(target["bootstrap"], "prefill bootstrap", self.args.bootstrap_timeout)
-        try:
-            self._transfer(client, target["room"], rows, src, length, digest)
-        finally:
-            client.close()
+        self._transfer(self._client(target["bootstrap"]), target["room"], rows, src, length, digest)
         return digest
 
     def _transfer(
@@ -152,6 +149,14 @@ class Encoder:
                 if exc.status != 503 or time.monotonic() > deadline:
                     raise EncodeFailed(str(exc), status=exc.status or 502) from None
             time.sleep(0.05)  # prefill's pool is full: its requests free slots as they start
+
+    def _client(self, bootstrap: str) -> Client:
+        """One kept-alive client per prefill bootstrap endpoint (requests are serialized)."""
+        if bootstrap not in self.clients:
+            self.clients[bootstrap] = Client(
+                bootstrap, "prefill bootstrap", self.args.bootstrap_timeout
+            )
+        return self.clients[bootstrap]
 
     def _peer(self, description: str) -> Peer:
         if description not in self.peers:
