@@ -57,6 +57,12 @@ def make_topology(tmp_path: Path) -> Callable[..., Path]:
 def private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Runs started by tests are recorded in a private state dir, never the user's."""
     os.environ["PDCTL_STATE_DIR"] = str(tmp_path_factory.mktemp("pdctl-state"))
+    # One port reservation table for all xdist workers of this test run (the parent of
+    # each worker's base temp is shared), so no two workers are handed the same port.
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    os.environ["PDCTL_PORTS_DIR"] = str(shared / "pdctl-ports")
 
 
 @pytest.fixture

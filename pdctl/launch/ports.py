@@ -6,6 +6,15 @@ So allocation runs under a host-wide file lock and records what it handed out in
 reservation file next to the lock; reservations last until the run releases them,
 its pdctl process is gone, or `RESERVATION_S` passed (by then the servers bound).
 Fixed ports from the topology are bind-tested too, and refused when reserved.
+
+Dynamic ports are drawn from outside the kernel's ephemeral range
+(`net.ipv4.ip_local_port_range`), never by binding port 0. The kernel hands
+ephemeral ports to every outgoing connection (a health poll, a transport, another
+program's client), and such a connection can take a port between allocation and
+the server's bind, which fails the server with "address already in use". Ports
+below (or above) the range are only ever taken by an explicit bind, which the
+bind test and the reservation file cover. Ports the administrator reserved
+(`net.ipv4.ip_local_reserved_ports`) are left alone too.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import errno
 import fcntl
 import json
 import os
+import random
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -25,6 +35,9 @@ from pdctl.engines.base import PortSlot
 from pdctl.errors import LaunchError
 
 RESERVATION_S = 300.0
+LOWEST_PORT = 20000  # clear of common services and of Ray's worker ports (10002-19999)
+DEFAULT_EPHEMERAL = (32768, 60999)  # Linux's default; macOS/BSD use 49152-65535
+_PROC = Path("/proc/sys/net/ipv4")
 
 
 class PortError(LaunchError):
@@ -40,11 +53,22 @@ def state_dir() -> Path:
     return Path(base) / "pdctl"
 
 
+def ports_dir() -> Path:
+    """Where the port lock and reservations live: $PDCTL_PORTS_DIR, else the state dir.
+
+    Separate so that runs recorded in private state dirs (tests, several users of one
+    account) still share the host's one port reservation table.
+    """
+    explicit = os.environ.get("PDCTL_PORTS_DIR")
+    return Path(explicit) if explicit else state_dir()
+
+
 @contextlib.contextmanager
-def host_lock(name: str = "ports") -> Iterator[Path]:
-    directory = state_dir()
+def host_lock() -> Iterator[Path]:
+    """The host-wide port lock, held for the block; yields the directory it lives in."""
+    directory = ports_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / f"{name}.lock", "a+") as handle:
+    with open(directory / "ports.lock", "a+") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield directory
@@ -91,6 +115,48 @@ def bind_test(host: str, port: int) -> OSError | None:
     return None
 
 
+def _parse_ranges(text: str) -> list[tuple[int, int]]:
+    """`"a-b,c"` (the reserved-ports format) -> [(a, b), (c, c)]; bad parts ignored."""
+    found = []
+    for part in text.replace("\n", ",").split(","):
+        low, _, high = part.strip().partition("-")
+        try:
+            found.append((int(low), int(high or low)))
+        except ValueError:
+            continue
+    return found
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The range the kernel picks outgoing connections' local ports from."""
+    try:
+        low, high = (int(x) for x in (_PROC / "ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL
+
+
+def candidate_ports() -> list[int]:
+    """Ports allocation may hand out: outside the ephemeral range and the reserved list."""
+    low, high = ephemeral_range()
+    try:
+        reserved = _parse_ranges((_PROC / "ip_local_reserved_ports").read_text())
+    except OSError:
+        reserved = []
+    ports = [
+        port
+        for port in range(LOWEST_PORT, 65536)
+        if not low <= port <= high and not any(a <= port <= b for a, b in reserved)
+    ]
+    if len(ports) < 1000:  # a host whose ephemeral range covers nearly everything
+        raise PortError(
+            f"the ephemeral port range {low}-{high} leaves fewer than 1000 ports at or above "
+            f"{LOWEST_PORT} for servers; narrow net.ipv4.ip_local_port_range or pin the "
+            "topology's ports"
+        )
+    return ports
+
+
 @dataclass(frozen=True)
 class Allocation:
     ports: dict[str, int]  # slot key -> port
@@ -131,17 +197,24 @@ def allocate(slots: Sequence[PortSlot], host: str) -> Allocation:
                         "allocated"
                     )
                 chosen[slot.key] = slot.fixed
+            candidates = candidate_ports()
+            draw = random.SystemRandom()
             for slot in slots:
                 if slot.fixed is not None:
                     continue
-                for _ in range(200):
+                for _ in range(400):
+                    port = draw.choice(candidates)
+                    if port in reservations or port in chosen.values():
+                        continue
                     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                    sock.bind((host, 0))
-                    port = int(sock.getsockname()[1])
-                    held.append(sock)  # held open so the kernel does not hand it out twice
-                    if port not in reservations and port not in chosen.values():
-                        chosen[slot.key] = port
-                        break
+                    try:
+                        sock.bind((host, port))
+                    except OSError:
+                        sock.close()
+                        continue
+                    held.append(sock)  # held while the rest are chosen
+                    chosen[slot.key] = port
+                    break
                 else:
                     raise PortError(f"no free port for {slot.purpose} ({slot.key}) on {host}")
             now = time.time()

@@ -10,6 +10,10 @@ import pytest
 
 from pdctl.engines.base import PortSlot
 from pdctl.launch.plan import load_checked, make_plan
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdctl.launch import ports
 from pdctl.launch.ports import PortError, allocate
 from pdctl.launch.processes import group_alive
 from pdctl.launch.run import LaunchFailed, Run
@@ -84,3 +88,38 @@ def test_concurrent_allocations_never_share_a_port() -> None:
     assert not set(first.ports.values()) & set(second.ports.values())
     first.release()
     second.release()
+
+
+def test_dynamic_ports_stay_out_of_the_ephemeral_range() -> None:
+    """Outgoing connections take ephemeral ports; a server's port must never be one."""
+    low, high = ports.ephemeral_range()
+    slots = [PortSlot("p", f"s{i}", "test") for i in range(50)]
+    allocation = allocate(slots, "127.0.0.1")
+    try:
+        assert all(not low <= port <= high for port in allocation.ports.values())
+        assert all(port >= ports.LOWEST_PORT for port in allocation.ports.values())
+    finally:
+        allocation.release()
+
+
+def test_the_kernels_ranges_are_read_and_respected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "ip_local_port_range").write_text("30000\t65000\n")
+    (tmp_path / "ip_local_reserved_ports").write_text("20000-29000,29500\n")
+    monkeypatch.setattr(ports, "_PROC", tmp_path)
+    candidates = ports.candidate_ports()
+    assert candidates == [p for p in range(29001, 30000) if p != 29500] + list(range(65001, 65536))
+    allocation = allocate([PortSlot("p", f"s{i}", "test") for i in range(10)], "127.0.0.1")
+    assert set(allocation.ports.values()) <= set(candidates)
+    allocation.release()
+    (tmp_path / "ip_local_port_range").write_text("20000 65535\n")
+    with pytest.raises(PortError, match="ephemeral port range 20000-65535 leaves fewer"):
+        ports.candidate_ports()
+
+
+@given(st.lists(st.tuples(st.integers(0, 65535), st.integers(0, 65535)), max_size=6))
+def test_reserved_port_lists_parse(pairs: list[tuple[int, int]]) -> None:
+    text = ",".join(f"{a}-{b}" if a != b else str(a) for a, b in pairs)
+    assert ports._parse_ranges(text + "\n") == [(a, b) for a, b in pairs]
+    assert ports._parse_ranges("junk,-,1-x") == []

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,9 +16,11 @@ import pytest
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port no other test worker or outgoing connection takes before the server binds it."""
+    from pdctl.engines.base import PortSlot
+    from pdctl.launch.ports import allocate
+
+    return allocate([PortSlot("test", "port", "test server")], "127.0.0.1").ports["test.port"]
 
 
 @dataclass
