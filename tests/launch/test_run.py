@@ -7,13 +7,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from pdctl.engines.base import PortSlot
-from pdctl.launch.plan import load_checked, make_plan
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pdctl.engines.base import PortSlot
 from pdctl.launch import ports
+from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.ports import PortError, allocate
 from pdctl.launch.processes import group_alive
 from pdctl.launch.run import LaunchFailed, Run
