@@ -11,12 +11,17 @@
 # vs Triton products across batch sizes and TP splits). One device call runs for at
 # most 10 minutes and brings back 8 files: split the stages over calls, e.g.
 # STAGES=sweep,invariance then STAGES=tests,pd then STAGES=nightly.
+# SUITE picks the nightly suite (default gpu; gpu-4 on a 4-GPU machine) and
+# PD_TOPOLOGY the topology the pd stage benchmarks (default the 2-GPU staging one;
+# e.g. topologies/cuda-4gpu-p1d4-tcp-staging.yaml on 4 GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-reports}
 mkdir -p "$OUT"
 DEVICE=${DEVICE:-cuda}
 STAGES=${STAGES:-tests,bench,nightly,pd}
+SUITE=${SUITE:-gpu}
+PD_TOPOLOGY=${PD_TOPOLOGY:-topologies/cuda-2gpu-p1d2-tcp-staging.yaml}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
@@ -79,12 +84,12 @@ if has invariance; then
 fi
 
 if has nightly; then
-  timeout 420 python3 -m pdctl nightly topologies --suite gpu --junit "$OUT/nightly.xml" \
+  timeout 420 python3 -m pdctl nightly topologies --suite "$SUITE" --junit "$OUT/nightly.xml" \
     --json "$OUT/nightly.json" 2>&1 | tail -n 40 || status=1
 fi
 
 if has pd; then
-  timeout 300 python3 -m pdctl bench pd topologies/cuda-2gpu-p1d2-tcp-staging.yaml \
+  timeout 300 python3 -m pdctl bench pd "$PD_TOPOLOGY" \
     --backends tcp,mooncake --prompts 8 --prompt-len 2048 --new-tokens 32 --concurrency 4 \
     --json > "$OUT/bench-pd.json" || status=1
   python3 -c 'import json,sys; [print(r) for r in json.load(open(sys.argv[1]))["rows"]]' "$OUT/bench-pd.json"

@@ -182,6 +182,22 @@ async def _encode(
     return routed, encoded.get("embedding_transfer")
 
 
+def _add_prefill_side(meta: dict[str, Any], prefill_answer: Any) -> None:
+    """Decode's kv_transfer times the receive; prefill's times the send. Both go in
+    the answer: `write_ms` (prefill gathering, digesting and writing, the part the
+    staging kernels and the transport own) and `send_ms` (prefill's whole send,
+    waits for decode's ring regions included)."""
+    transfer = meta.get("kv_transfer")
+    sent = None
+    if isinstance(prefill_answer, dict) and isinstance(prefill_answer.get("meta_info"), dict):
+        sent = prefill_answer["meta_info"].get("kv_transfer")
+    if not isinstance(transfer, dict) or not isinstance(sent, dict):
+        return
+    for theirs, ours in (("write_ms", "write_ms"), ("transfer_ms", "send_ms")):
+        if isinstance(sent.get(theirs), (int, float)):
+            transfer[ours] = sent[theirs]
+
+
 async def route_one(
     state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any]
 ) -> Any:
@@ -201,10 +217,16 @@ async def route_one(
             if error is not None:
                 raise error
         response = await decode_task
-        await prefill_task
         answer = response.json()
-        if embedding is not None and isinstance(answer.get("meta_info"), dict):
-            answer["meta_info"]["embedding_transfer"] = embedding
+        meta = answer.get("meta_info")
+        if isinstance(meta, dict):
+            prefilled = await prefill_task
+            with contextlib.suppress(ValueError):  # decode's answer stands without it
+                _add_prefill_side(meta, prefilled.json())
+            if embedding is not None:
+                meta["embedding_transfer"] = embedding
+        else:
+            await prefill_task
         return answer
     finally:
         for task in (prefill_task, decode_task):

@@ -101,6 +101,8 @@ def test_pd_tokens_match_colocated(
     for transfer in transfers:
         assert transfer["transport"] == backend
         assert transfer["staging"] is (path == "staging")
+        # pdctl's router adds prefill's side: the writes lie within the whole send
+        assert 0 < transfer["write_ms"] <= transfer["send_ms"] + 0.01, transfer
         if path == "staging":
             assert transfer["segments"] >= 1
     # The prompt's whole KV reaches decode: 4 layers x K,V x 4 heads x 32 dims x 4 bytes

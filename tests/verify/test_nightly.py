@@ -9,7 +9,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from junitparser import Error, Failure, JUnitXml, Skipped
+
+from tests.conftest import REPO
 
 PDCTL = [sys.executable, "-m", "pdctl"]
 QUICK = ["--num-prompts", "4", "--max-new-tokens", "4"]
@@ -104,3 +107,49 @@ def test_an_invalid_file_fails_the_nightly_with_its_location(tmp_path: Path) -> 
     (case,) = suite
     assert isinstance(case.result[0], Error) and "invalid topology" in case.result[0].message
     assert "bad.yaml:2:" in case.result[0].message and "prefill" in case.result[0].message
+
+
+def test_the_four_device_layouts_pass_on_the_cpu(tmp_path: Path) -> None:
+    """The gpu-4 layouts (prefill TP2 -> decode TP2, TP1 -> TP4) with the builtin
+    transport and Mooncake, run on the CPU as suite `cpu-4`: every pass, KV moved the
+    way the layout says, the colocated reference included."""
+    out = tmp_path / "night.json"
+    result = nightly(tmp_path, str(REPO / "topologies"), "--suite", "cpu-4", "--json", str(out))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    ran = {entry["name"]: entry for entry in summary["topologies"]}
+    assert set(ran) == {"cpu-p2d2-tcp", "cpu-p2d2-mooncake", "cpu-p1d4-tcp-staging",
+                        "cpu-p1d4-mooncake-staging"}  # fmt: skip
+    for name, entry in ran.items():
+        assert entry["verdict"] == "pass", (name, entry["reason"])
+        passes = {p["name"]: p for p in entry["report"]["passes"]}
+        assert passes["reference"]["skipped"] is None and passes["reference"]["requests"]
+        transfers = [r["kv_transfer"] for r in passes["serial"]["requests"]]
+        assert all(t["transport"] == name.split("-")[2] for t in transfers)
+        assert all(t["digest_ok"] and t["bytes"] > 0 and t["write_ms"] > 0 for t in transfers)
+        # equal TP writes pages directly; TP1 -> TP4 gathers each rank's head slice
+        assert all(t["staging"] is name.startswith("cpu-p1d4") for t in transfers)
+
+
+def test_the_gpu_4_suite_skips_here_naming_the_gpus_it_needs(tmp_path: Path) -> None:
+    if _cuda_devices() >= 3:
+        pytest.skip("this machine has CUDA devices: the gpu-4 suite would run")
+    out = tmp_path / "night.json"
+    result = nightly(tmp_path, str(REPO / "topologies"), "--suite", "gpu-4", "--json", str(out))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    entries = json.loads(out.read_text())["topologies"]
+    names = {entry["name"] for entry in entries}
+    layouts = {"3gpu-p1d2": 3, "4gpu-p2d2": 4, "4gpu-p1d4": 4}
+    for layout in layouts:
+        for backend in ("tcp", "mooncake"):
+            assert any(name.startswith(f"cuda-{layout}-{backend}") for name in names), layout
+    for entry in entries:
+        assert entry["verdict"] == "skipped"
+        need = layouts.get(entry["name"].removeprefix("cuda-")[:9], 3)
+        assert entry["reason"].startswith(f"needs {need} cuda device(s), this machine has")
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count()
