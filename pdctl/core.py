@@ -102,6 +102,22 @@ MODEL_PRESETS: dict[str, ModelShape] = {
 }
 
 
+# The embedded encoder model (serve/encoder_model.py) shards its attention heads over
+# the encoder role's TP ranks: a TP size must divide them.
+ENCODER_HEADS = 4
+
+
+def encoder_tp_problem(tp: int) -> str | None:
+    """Why the embedded encoder cannot run on `tp` ranks, or None when it can."""
+    if tp < 1 or ENCODER_HEADS % tp:
+        sizes = ", ".join(str(n) for n in range(1, ENCODER_HEADS + 1) if ENCODER_HEADS % n == 0)
+        return (
+            f"the encoder model's {ENCODER_HEADS} attention heads do not split over {tp} "
+            f"ranks (TP sizes that work: {sizes})"
+        )
+    return None
+
+
 def read_checkpoint_shape(path: Path) -> ModelShape:
     """Read the shape of a local Hugging Face checkpoint from its config.json.
 

@@ -16,6 +16,14 @@ norm and attention goes through the batch-invariant primitives of `ops.py`, so a
 image's embeddings are bitwise equal whatever else runs. The projection is scaled
 so outputs have unit RMS, like the preset token-embedding table (standard normal).
 
+Tensor parallelism (the encoder role with TP > 1), as in the language model: each
+rank holds the Q, K and V columns of its attention heads and its share of the MLP's
+inner width; the two row-parallel products (attention output, MLP down) are split
+into `ops.REDUCTION_CHUNKS` fixed column ranges whatever the TP size, and the
+gathered partials are summed in chunk order, so TP 1, 2 and 4 give bitwise the same
+embeddings. Rank 0 announces each checked image to the others (`announce`) before
+computing; every rank then runs `encode` on it.
+
 It deliberately knows nothing about tokenizers, placeholder tokens, requests or
 how embeddings reach the prefill engine.
 """
@@ -24,13 +32,15 @@ from __future__ import annotations
 
 import base64
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pdctl.core import ENCODER_HEADS, encoder_tp_problem
 from pdctl.serve import ops
-from pdctl.serve.weights import preset_source
+from pdctl.serve.weights import preset_source, row_chunks
 
 PATCH = 4  # pixels per patch side
 CHANNELS = 3
@@ -40,7 +50,7 @@ IMAGE_DTYPES = ("uint8", "float32", "float16")  # accepted raw dtypes in base64 
 GRID = MAX_SIDE // PATCH  # position-embedding grid side: patch (row, col) -> row * GRID + col
 WIDTH = 64
 NUM_LAYERS = 2
-NUM_HEADS = 4
+NUM_HEADS = ENCODER_HEADS
 MLP_RATIO = 4
 RMS_EPS = 1e-6
 
@@ -188,11 +198,11 @@ def _parse_raw(value: dict[Any, Any], where: str) -> torch.Tensor:
 @dataclass
 class _LayerWeights:
     attn_norm: torch.Tensor  # [width]
-    qkv_t: torch.Tensor  # [width, 3 * width]
-    out_t: torch.Tensor  # [width, width]
+    qkv_t: torch.Tensor  # [width, 3 * local width]: this rank's heads' Q | K | V columns
+    out_chunks: list[torch.Tensor]  # this rank's [width / REDUCTION_CHUNKS, width] pieces
     mlp_norm: torch.Tensor  # [width]
-    fc1_t: torch.Tensor  # [width, MLP_RATIO * width]
-    fc2_t: torch.Tensor  # [MLP_RATIO * width, width]
+    fc1_t: torch.Tensor  # [width, MLP_RATIO * width / tp]
+    fc2_chunks: list[torch.Tensor]  # [MLP_RATIO * width / REDUCTION_CHUNKS, width] pieces
 
 
 class EncoderModel:
@@ -205,14 +215,25 @@ class EncoderModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         seed: int = 0,
+        tp: int = 1,
+        tp_rank: int = 0,
+        gather: ops.AllGather | None = None,
     ) -> None:
         if hidden_size < 1:
             raise ValueError(f"hidden_size {hidden_size} must be positive")
+        problem = encoder_tp_problem(tp)
+        if problem is not None or not 0 <= tp_rank < tp or (tp > 1) != (gather is not None):
+            raise ValueError(problem or f"rank {tp_rank} of {tp}: a gather for TP > 1 only")
         self.hidden_size = hidden_size
         self.width = WIDTH
         self.head_dim = WIDTH // NUM_HEADS
+        self.local_heads = NUM_HEADS // tp
         self.dtype = dtype
         self.device = torch.device(device)
+        self.gather = gather
+        # Rank 0 of a TP encoder: called with each checked image before computing it,
+        # to hand it to the other ranks (roles/encoder.py sets it).
+        self.announce: Callable[[torch.Tensor], None] | None = None
         source = preset_source(seed)
 
         def get(name: str, dims: tuple[int, ...]) -> torch.Tensor:
@@ -226,18 +247,25 @@ class EncoderModel:
         self.patch_t = place(get("patch_embed.weight", (WIDTH, patch_in)).t())  # [48, width]
         self.patch_bias = place(get("patch_embed.bias", (WIDTH,)))
         self.positions = place(get("position_embedding.weight", (GRID * GRID, WIDTH)))
+        local = self.local_heads * self.head_dim  # this rank's attention columns
+        mine = slice(tp_rank * local, (tp_rank + 1) * local)
+        inner = MLP_RATIO * WIDTH
+        inner_mine = slice(tp_rank * inner // tp, (tp_rank + 1) * inner // tp)
         self.layers: list[_LayerWeights] = []
         for i in range(NUM_LAYERS):
             prefix = f"layers.{i}."
-            inner = MLP_RATIO * WIDTH
+            qkv = get(prefix + "attn.qkv.weight", (3 * WIDTH, WIDTH))  # [Q | K | V, width]
+            qkv_mine = torch.cat([qkv[part * WIDTH :][mine] for part in range(3)])
+            out_t = get(prefix + "attn.out.weight", (WIDTH, WIDTH)).t()
+            fc2_t = get(prefix + "mlp.fc2.weight", (WIDTH, inner)).t()
             self.layers.append(
                 _LayerWeights(
                     attn_norm=place(get(prefix + "attn_norm.weight", (WIDTH,))),
-                    qkv_t=place(get(prefix + "attn.qkv.weight", (3 * WIDTH, WIDTH)).t()),
-                    out_t=place(get(prefix + "attn.out.weight", (WIDTH, WIDTH)).t()),
+                    qkv_t=place(qkv_mine.t()),
+                    out_chunks=[place(c) for c in row_chunks(out_t, tp, tp_rank)],
                     mlp_norm=place(get(prefix + "mlp_norm.weight", (WIDTH,))),
-                    fc1_t=place(get(prefix + "mlp.fc1.weight", (inner, WIDTH)).t()),
-                    fc2_t=place(get(prefix + "mlp.fc2.weight", (WIDTH, inner)).t()),
+                    fc1_t=place(get(prefix + "mlp.fc1.weight", (inner, WIDTH))[inner_mine].t()),
+                    fc2_chunks=[place(c) for c in row_chunks(fc2_t, tp, tp_rank)],
                 )
             )
         self.final_norm = place(get("final_norm.weight", (WIDTH,)))
@@ -255,6 +283,8 @@ class EncoderModel:
             raise ImageError(f"image: {image.dim()} dimensions, expected [3, height, width]")
         channels, height, width = (int(d) for d in image.shape)
         _check_shape(f"image: shape [{channels}, {height}, {width}]", (channels, height, width))
+        if self.announce is not None:
+            self.announce(image)
         rows, cols = height // PATCH, width // PATCH
         count = rows * cols
         pixels = image.to(device=self.device, dtype=torch.float32)
@@ -270,17 +300,22 @@ class EncoderModel:
         x = ops.matmul(patches, self.patch_t) + self.patch_bias
         x = ops.pad_rows(x + self.positions[grid_index])  # [N padded, width]
         everyone = torch.full((count,), count - 1, dtype=torch.int64, device=self.device)
+        local = self.local_heads * self.head_dim
         for layer in self.layers:
             h = ops.rms_norm(x, layer.attn_norm, RMS_EPS)
-            qkv = ops.matmul(h, layer.qkv_t)  # [N padded, 3 * width]
+            qkv = ops.matmul(h, layer.qkv_t)  # [N padded, 3 * local]
             q, k, v = (
-                qkv[:count, i * WIDTH : (i + 1) * WIDTH].reshape(count, NUM_HEADS, self.head_dim)
+                qkv[:count, i * local : (i + 1) * local].reshape(
+                    count, self.local_heads, self.head_dim
+                )
                 for i in range(3)
             )
             # Non-causal: every query sits at the last position, so it sees every patch.
             attn = ops.attention(q, k, v, everyone, self.head_dim**-0.5)  # [N, heads, dim]
-            x = x + ops.matmul(ops.pad_rows(attn.reshape(count, WIDTH)), layer.out_t)
+            attn = ops.pad_rows(attn.reshape(count, local))
+            x = x + ops.row_parallel_matmul(attn, layer.out_chunks, self.gather)
             h = ops.rms_norm(x, layer.mlp_norm, RMS_EPS)
-            x = x + ops.matmul(torch.nn.functional.gelu(ops.matmul(h, layer.fc1_t)), layer.fc2_t)
+            act = torch.nn.functional.gelu(ops.matmul(h, layer.fc1_t))
+            x = x + ops.row_parallel_matmul(act, layer.fc2_chunks, self.gather)
         h = ops.rms_norm(x, self.final_norm, RMS_EPS)
         return ops.matmul(h, self.projection_t)[:count, : self.hidden_size].contiguous()

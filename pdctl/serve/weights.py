@@ -124,7 +124,7 @@ def _padded_t(weight: torch.Tensor) -> torch.Tensor:
     return padded.t().contiguous()
 
 
-def _chunks(weight_t: torch.Tensor, tp: int, rank: int) -> list[torch.Tensor]:
+def row_chunks(weight_t: torch.Tensor, tp: int, rank: int) -> list[torch.Tensor]:
     """[K, N] -> this rank's REDUCTION_CHUNKS // tp row blocks, N padded to TILE."""
     k = weight_t.shape[0]
     width = k // ops.REDUCTION_CHUNKS
@@ -190,9 +190,9 @@ def build_rank_weights(
             LayerWeights(
                 qkv_t=place(_padded_t(qkv)),
                 qkv_bias=bias,
-                o_chunks=[place(c) for c in _chunks(o.t(), tp, rank)],
+                o_chunks=[place(c) for c in row_chunks(o.t(), tp, rank)],
                 gate_up_t=place(_padded_t(torch.cat([gate[rows], up[rows]]))),
-                down_chunks=[place(c) for c in _chunks(down.t(), tp, rank)],
+                down_chunks=[place(c) for c in row_chunks(down.t(), tp, rank)],
                 input_norm=place(get(prefix + "input_layernorm.weight", (hidden,))),
                 post_norm=place(get(prefix + "post_attention_layernorm.weight", (hidden,))),
             )

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdctl.core import MODEL_PRESETS, ModelShape, read_checkpoint_shape
+from pdctl.core import MODEL_PRESETS, ModelShape, encoder_tp_problem, read_checkpoint_shape
 from pdctl.topology.env_rules import env_rules, transfer_rules
 from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology
@@ -87,8 +87,11 @@ def check_tp(topology: Topology, context: RuleContext) -> Iterator[Issue]:
     if shape is None:
         return
     for role, spec in topology.roles.items():
-        if role == "encoder":
-            continue  # the encoder model has its own shape
+        if role == "encoder":  # the embedded encoder model has its own heads
+            problem = encoder_tp_problem(spec.tp) if topology.engine == "embedded" else None
+            if problem:
+                yield Issue(("roles", role, "tp"), problem)
+            continue
         problem = shape.tp_problem(spec.tp)
         if problem:
             sizes = ", ".join(str(tp) for tp in shape.valid_tp_sizes(16))

@@ -9,7 +9,10 @@ image and seed, whatever ran before, and embeddings that depend on the image.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import re
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -302,3 +305,77 @@ def test_odd_hidden_sizes_are_padded_internally() -> None:
 def test_encode_refuses_a_bad_shape(shape: tuple[int, ...]) -> None:
     with pytest.raises(ImageError, match=r"^image: "):
         MODEL.encode(torch.zeros(shape))
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+
+class ThreadGather:
+    """An all-gather across `world` threads, in rank order (what TPGroup.gather does
+    across processes), so the TP ranks of one encoder run side by side in-process."""
+
+    def __init__(self, world: int) -> None:
+        self.parts: list[torch.Tensor | None] = [None] * world
+        self.barrier = threading.Barrier(world, timeout=60)
+
+    def for_rank(self, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def gather(partials: torch.Tensor) -> torch.Tensor:
+            self.parts[rank] = partials.clone()
+            self.barrier.wait()
+            stacked = torch.cat([p for p in self.parts if p is not None])
+            self.barrier.wait()  # everyone has read the parts before the next product
+            return stacked
+
+        return gather
+
+
+def encode_with_tp(tp: int, image: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Every rank's output of one image, the ranks running concurrently; rank 0
+    announces the image first, as the encoder role does."""
+    gather = ThreadGather(tp)
+    models = [
+        EncoderModel(HIDDEN, dtype=dtype, seed=0, tp=tp, tp_rank=rank, gather=gather.for_rank(rank))
+        for rank in range(tp)
+    ]
+    announced: list[torch.Tensor] = []
+    models[0].announce = announced.append
+    with concurrent.futures.ThreadPoolExecutor(tp) as pool:
+        outputs = list(pool.map(lambda m: m.encode(image), models))
+    assert len(announced) == 1 and torch.equal(announced[0], image)
+    return outputs
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_tp_ranks_give_bitwise_the_tp1_embeddings(tp: int, dtype: torch.dtype) -> None:
+    single = EncoderModel(HIDDEN, dtype=dtype, seed=0)
+    for height, width in [(4, 4), (12, 20), (64, 64)]:
+        image = random_image(height, width, seed=height + width)
+        outputs = encode_with_tp(tp, image, dtype)
+        expected = single.encode(image)
+        for rank, out in enumerate(outputs):
+            assert torch.equal(out, expected), (tp, rank, height, width)
+
+
+def test_each_rank_holds_only_its_share() -> None:
+    gather = ThreadGather(2).for_rank(1)
+    rank1 = EncoderModel(HIDDEN, seed=0, tp=2, tp_rank=1, gather=gather)
+    layer, full = rank1.layers[0], MODEL.layers[0]
+    assert rank1.local_heads == 2 and layer.qkv_t.shape == (64, 3 * 32)
+    assert layer.fc1_t.shape == (64, 128) and len(layer.fc2_chunks) == len(full.fc2_chunks) // 2
+    assert torch.equal(layer.fc2_chunks[0], full.fc2_chunks[len(full.fc2_chunks) // 2])
+
+
+@pytest.mark.parametrize(
+    ("tp", "rank", "gather", "message"),
+    [
+        (3, 0, True, "4 attention heads do not split over 3 ranks"),
+        (8, 0, True, "TP sizes that work: 1, 2, 4"),
+        (2, 2, True, "rank 2 of 2"),
+        (2, 0, False, "a gather for TP > 1"),
+        (1, 0, True, "a gather for TP > 1"),
+    ],
+)
+def test_impossible_tp_layouts_are_refused(tp: int, rank: int, gather: bool, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EncoderModel(HIDDEN, tp=tp, tp_rank=rank, gather=(lambda t: t) if gather else None)

@@ -45,6 +45,15 @@ def test_gqa_replication_beyond_kv_heads_needs_a_multiple(make_topology) -> None
     ]
 
 
+def test_the_encoder_tp_must_split_its_heads(make_topology) -> None:
+    for tp in (1, 2, 4):
+        load_checked(make_topology(roles={"encoder": {"tp": tp}}))
+    assert messages(make_topology(roles={"encoder": {"tp": 8}})) == [
+        "roles.encoder.tp: the encoder model's 4 attention heads do not split over 8 ranks "
+        "(TP sizes that work: 1, 2, 4)"
+    ]
+
+
 def test_checkpoint_shape_is_read_from_config_json(make_topology, tmp_path: Path) -> None:
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()

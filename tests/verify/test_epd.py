@@ -12,10 +12,14 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 import yaml
 
+from pdctl.core import MODEL_PRESETS
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.run import Run
+from pdctl.serve.encoder_model import EncoderModel, parse_image
+from pdctl.serve.multimodal import digest_of
 from tests.conftest import REPO
 from tests.verify.test_verify import QUICK, env, report_of, verify  # noqa: F401
 
@@ -23,10 +27,11 @@ EPD = REPO / "topologies" / "cpu-epd-p1d2-tcp.yaml"
 GREEDY = {"temperature": 0, "max_new_tokens": 6}
 
 
-def variant(tmp_path: Path, backend: str) -> Path:
+def variant(tmp_path: Path, backend: str, encoder_tp: int = 1) -> Path:
     data = yaml.safe_load(EPD.read_text())
     data["transfer"]["backend"] = backend
-    path = tmp_path / f"epd-{backend}.yaml"
+    data["roles"]["encoder"]["tp"] = encoder_tp
+    path = tmp_path / f"epd-{backend}-e{encoder_tp}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -88,7 +93,9 @@ def picture(seed: int, height: int = 16, width: int = 16) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def epd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    run = Run(make_plan(load_checked(EPD)), tmp_path_factory.mktemp("epd") / "run")
+    """The catalog's EPD topology with a TP 2 encoder (the model sharded over 2 ranks)."""
+    where = tmp_path_factory.mktemp("epd")
+    run = Run(make_plan(load_checked(variant(where, "tcp", encoder_tp=2))), where / "run")
     run.start()
     try:
         run.wait_ready(timeout=180)
@@ -145,6 +152,19 @@ def test_bad_images_are_400s_naming_the_field(
     ok, held, _ = epd.pools_back(timeout=10)
     assert ok, held
     assert generate(epd, text="still <image> serving", image=picture(9)).status_code == 200
+
+
+def test_a_tp2_encoder_sends_bitwise_the_tp1_embeddings(epd: Run) -> None:
+    """Across processes: the digest of what the TP 2 encoder sent (prefill checked it)
+    is the digest of one in-process TP 1 encoder's rows for the same images."""
+    model = EncoderModel(MODEL_PRESETS["tiny"].hidden_size, seed=0)
+    for images in ([picture(11)], [picture(12, 8, 12), picture(13, 64, 64)]):
+        answer = generate(epd, input_ids=[5] + [-1] * len(images), images=images).json()
+        rows = torch.cat([model.encode(parse_image(image)) for image in images])
+        moved = answer["meta_info"]["embedding_transfer"]
+        assert moved["digest"] == f"{digest_of(rows):#018x}" and moved["digest_ok"], moved
+    info = httpx.get(f"{epd.state('encoder-0').url}/get_server_info", timeout=10).json()
+    assert info["tp"] == 2, info
 
 
 def test_images_need_an_encoder(epd: Run) -> None:

@@ -9,8 +9,11 @@ against device streams), asks prefill for a slot, writes the rows there with the
 topology's transport, and reports their digest; prefill checks it. The answer is
 the prompt the router sends on to prefill and decode: `input_ids`, `mm_items`.
 
-The encoder model is small and runs on rank 0; with TP > 1 the other ranks only
-hold the language model's shards (the launcher's layout), they take no part.
+With TP > 1 the encoder model is sharded over the ranks (encoder_model.py): rank 0
+serves HTTP, checks each image and announces it to the other ranks (OP_ENCODE, the
+image's float32 bits as int64, never pickled), then every rank computes its heads
+and its share of the MLP, exchanging row-parallel partials; rank 0 sends the result.
+The embeddings are bitwise those of a TP 1 encoder.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pdctl.serve.pd.client import Client, PeerCallError, warn_if_no_secret
 from pdctl.serve.pd.endpoint import make_transport
 from pdctl.serve.roles.common import run_servers, server_info
 from pdctl.serve.runtime import DTYPES, Rank, stop_ranks
+from pdctl.serve.runtime import run_worker as run_tp_worker
 from pdctl.serve.schemas import GenerateBody, error_body
 from pdctl.staging.buffer import StagingBuffer
 from pdctl.staging.embedding_pool import synchronize_before_send
@@ -41,6 +45,32 @@ from pdctl.staging.transport import Peer
 
 log = logging.getLogger("pdctl.serve")
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+OP_ENCODE = 30  # TP: rank 0 hands the other ranks an image to encode
+
+
+def image_payload(image: torch.Tensor) -> torch.Tensor:
+    """[3, H, W] float32 -> int64 [3, H, W, bits...] for the TP broadcast (exact)."""
+    bits = image.detach().to("cpu", torch.float32).contiguous().view(torch.int32)
+    return torch.cat([torch.tensor(image.shape, dtype=torch.int64), bits.reshape(-1).long()])
+
+
+def image_from_payload(payload: torch.Tensor) -> torch.Tensor:
+    shape = [int(d) for d in payload[:3]]
+    return payload[3:].to(torch.int32).view(torch.float32).view(*shape)
+
+
+def encoder_model(rank: Rank) -> EncoderModel:
+    """This rank's shard of the encoder model (the whole model at TP 1)."""
+    args, group = rank.args, rank.group
+    return EncoderModel(
+        rank.config.shape.hidden_size,
+        dtype=DTYPES[args.dtype],
+        device=rank.device,
+        seed=args.seed,
+        tp=args.tp,
+        tp_rank=args.tp_rank,
+        gather=group.gather if group is not None else None,
+    )
 
 
 class EncodeFailed(Exception):
@@ -53,11 +83,11 @@ class Encoder:
     def __init__(self, rank: Rank) -> None:
         args = rank.args
         self.rank, self.args = rank, args
-        shape = rank.config.shape
-        self.vocab = shape.vocab_size
-        self.model = EncoderModel(
-            shape.hidden_size, dtype=DTYPES[args.dtype], device=rank.device, seed=args.seed
-        )
+        self.vocab = rank.config.shape.vocab_size
+        self.model = encoder_model(rank)
+        group = rank.group
+        if group is not None:
+            self.model.announce = lambda image: group.send(OP_ENCODE, image_payload(image))
         self.transport = make_transport(args)
         self.buffer = StagingBuffer(int(args.embedding_pool_mb * (1 << 20)), rank.device)
         self.transport.register(
@@ -213,6 +243,18 @@ def encoder_app(encoder: Encoder, rank: Rank) -> FastAPI:
             return JSONResponse(error_body(f"encoder: {exc}", status=status), status_code=status)
 
     return app
+
+
+def run_worker(rank: Rank) -> None:
+    """Ranks > 0: encode whatever image rank 0 announces, until it says stop."""
+    assert rank.group is not None
+    model = encoder_model(rank)
+
+    def encode(payload: torch.Tensor) -> None:
+        model.encode(image_from_payload(payload))  # rank 0 sends the result
+
+    rank.group.handlers[OP_ENCODE] = encode
+    run_tp_worker(rank)
 
 
 def run(rank: Rank) -> None:
