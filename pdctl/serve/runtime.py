@@ -123,6 +123,8 @@ def start_rank(args: ServerArgs, argv: list[str]) -> Rank:
         )
     config, weights, tokenizer = load_model(args, device)
     pool = args.kv_pool_tokens or 16384
+    if args.role == "encoder":  # keeps no KV: one page, so every rank has the same shape
+        pool = args.page_size
     pool -= pool % args.page_size
     kv = KVPool(
         config.shape.num_layers,
