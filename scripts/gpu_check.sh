@@ -11,9 +11,12 @@
 # vs Triton products across batch sizes and TP splits). One device call runs for at
 # most 10 minutes and brings back 8 files: split the stages over calls, e.g.
 # STAGES=sweep,invariance then STAGES=tests,pd then STAGES=nightly.
-# SUITE picks the nightly suite (default gpu; gpu-4 on a 4-GPU machine) and
-# PD_TOPOLOGY the topology the pd stage benchmarks (default the 2-GPU staging one;
-# e.g. topologies/cuda-4gpu-p1d4-tcp-staging.yaml on 4 GPUs).
+# SUITE picks the nightly suite (default gpu; gpu-4 on a 4-GPU machine), TOPOLOGIES
+# the files or folders it selects from (default topologies), NIGHTLY_TIMEOUT its
+# limit in seconds (default 420), and PD_TOPOLOGY the topology the pd stage
+# benchmarks (default the 2-GPU staging one; e.g.
+# topologies/cuda-4gpu-p1d4-tcp-staging.yaml on 4 GPUs). The nightly stage ends with
+# per-request KV transfer time against bytes (benchmarks/kv_transfer_table.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-reports}
@@ -21,6 +24,8 @@ mkdir -p "$OUT"
 DEVICE=${DEVICE:-cuda}
 STAGES=${STAGES:-tests,bench,nightly,pd}
 SUITE=${SUITE:-gpu}
+TOPOLOGIES=${TOPOLOGIES:-topologies}
+NIGHTLY_TIMEOUT=${NIGHTLY_TIMEOUT:-420}
 PD_TOPOLOGY=${PD_TOPOLOGY:-topologies/cuda-2gpu-p1d2-tcp-staging.yaml}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -84,8 +89,10 @@ if has invariance; then
 fi
 
 if has nightly; then
-  timeout 420 python3 -m pdctl nightly topologies --suite "$SUITE" --junit "$OUT/nightly.xml" \
-    --json "$OUT/nightly.json" 2>&1 | tail -n 40 || status=1
+  # shellcheck disable=SC2086
+  timeout "$NIGHTLY_TIMEOUT" python3 -m pdctl nightly $TOPOLOGIES --suite "$SUITE" \
+    --junit "$OUT/nightly.xml" --json "$OUT/nightly.json" 2>&1 | tail -n 40 || status=1
+  python3 benchmarks/kv_transfer_table.py "$OUT/nightly.json" 2>&1 | tee "$OUT/kv-transfer.md"
 fi
 
 if has pd; then
