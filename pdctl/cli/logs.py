@@ -40,20 +40,27 @@ def logs(
     run = runs[-1]
     directory = Path(str(run.data["run_dir"]))
     files = sorted(directory.glob("*.log"))
-    if not files and run.on_ray:  # the run's nodes are other hosts: ask each one
+    remote: dict[str, str] = {}
+    if run.on_ray:  # servers on other hosts (or in node-local folders): ask their nodes
         from pdctl.launch.ray_launcher import recorded_log_tails
 
-        for name, text in recorded_log_tails(run.data, lines).items():
-            if process is None or name.startswith(process):
-                console.out.print(f"==> {name} (on its node) <==", markup=False, highlight=False)
-                console.out.print(text, markup=False, highlight=False)
-        return
+        here = {f.name.rsplit("-tp", 1)[0] for f in files}
+
+        def wanted(name: str) -> bool:
+            return name not in here and (process is None or name.startswith(process))
+
+        remote = recorded_log_tails(run.data, lines, wanted)
+        for name, text in remote.items():
+            console.out.print(f"==> {name} (on its node) <==", markup=False, highlight=False)
+            console.out.print(text, markup=False, highlight=False)
     if process is not None:
         files = [f for f in files if f.name.startswith(process)]
-        if not files:
-            known = sorted({f.name.rsplit("-tp", 1)[0] for f in directory.glob("*.log")})
+        if not files and not remote:
+            known = {f.name.rsplit("-tp", 1)[0] for f in directory.glob("*.log")}
+            known |= {str(p["name"]) for p in run.data.get("processes", [])}
             raise UsageError(
-                f"run {run.name} has no process {process!r}", hint=f"choose from {', '.join(known)}"
+                f"run {run.name} has no process {process!r}",
+                hint=f"choose from {', '.join(sorted(known))}",
             )
     for path in files:
         console.out.print(f"==> {path} <==", markup=False, highlight=False)
@@ -62,6 +69,10 @@ def logs(
             console.out.print(text, markup=False, highlight=False)
     if not follow:
         return
+    if remote:
+        console.warning(
+            "--follow follows the logs on this host; the others are copied here at `pdctl down`"
+        )
     offsets = {path: path.stat().st_size for path in files}
     try:
         while True:

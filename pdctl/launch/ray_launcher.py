@@ -12,6 +12,13 @@ The server dies with its actor (parent-death signal), and the actor is detached 
 named `<run>/<process>` in the `pdctl` namespace, so `pdctl down` from another shell
 finds it. Every process listens on its node's address, and the commands name each
 other by those addresses (`<name>.host`).
+
+Logs: each server (and its TP ranks) writes on its node, into the run directory's
+path when the node can create it, else into `$PDCTL_NODE_LOG_DIR/<run>` (set in the
+environment the node was started with) or a temporary folder. `pdctl logs` reads
+the tails of logs that are not on this host through the actors, and stopping a run
+copies every log of every node into the run directory here, after the servers
+ended (so their last lines are in it) and before the actors go.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import contextlib
 import ipaddress
 import os
 import socket
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +39,19 @@ NAMESPACE = "pdctl"
 # Ray gives an actor without GPUs an empty device list; servers get the topology's own.
 RAY_DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 CALL_TIMEOUT_S = 60.0
+LOG_COPY_BYTES = 16 << 20  # the last 16 MiB of each log is copied
+
+
+def node_log_dir(run_dir: Path) -> Path:
+    """Where servers on this node write the run's logs (see the module docstring)."""
+    explicit = os.environ.get("PDCTL_NODE_LOG_DIR")
+    if explicit:
+        return Path(explicit) / run_dir.name
+    with contextlib.suppress(OSError):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if os.access(run_dir, os.W_OK | os.X_OK):
+            return run_dir
+    return Path(tempfile.gettempdir()) / f"pdctl-logs-{os.getuid()}" / run_dir.name
 
 
 def import_ray() -> Any:
@@ -91,7 +112,8 @@ class ProcessHost:
 
     def __init__(self) -> None:
         self.process: Any = None
-        self.log_path: Path | None = None
+        self.name = ""
+        self.log_path: Path | None = None  # rank 0's log on this node
         self.allocation: Any = None
 
     def node(self) -> dict[str, Any]:
@@ -119,21 +141,25 @@ class ProcessHost:
             self.allocation = None
 
     def spawn(self, name: str, argv: list[str], overrides: dict[str, str], log_path: str,
-              host: str) -> int:  # fmt: skip
+              host: str) -> dict[str, Any]:  # fmt: skip
+        """Start the server; its pid and the folder its ranks log into on this node."""
         from pdctl.launch.loopback import confine
         from pdctl.launch.processes import spawn
 
+        wanted = Path(log_path)
+        directory = node_log_dir(wanted.parent)
         env = {k: v for k, v in os.environ.items() if k not in RAY_DEVICE_VARS}
         env.update(overrides)
+        env["PDCTL_LOG_DIR"] = str(directory)  # TP ranks > 0 log beside rank 0
         env.setdefault("PYTHONUNBUFFERED", "1")
         warning = confine(env, host)
-        self.log_path = Path(log_path)
+        self.name, self.log_path = name, directory / wanted.name
         spawned = spawn(name, argv, env, self.log_path, die_with_parent=True)
         self.process = spawned.process
         if warning:
             with open(self.log_path, "a") as log:
                 log.write(f"pdctl: {warning}\n")
-        return int(spawned.pid)
+        return {"pid": int(spawned.pid), "log_dir": str(directory)}
 
     def poll(self) -> int | None:
         return None if self.process is None else self.process.poll()
@@ -148,12 +174,16 @@ class ProcessHost:
 
         return tail(self.log_path, lines) if self.log_path else ""
 
-    def read_log(self) -> bytes:
+    def read_logs(self) -> dict[str, bytes]:
+        """File name -> the end of each rank's log of this server on this node."""
         if self.log_path is None:
-            return b""
-        with contextlib.suppress(OSError):
-            return self.log_path.read_bytes()[-(16 << 20) :]
-        return b""
+            return {}
+        found = {}
+        for path in sorted(self.log_path.parent.glob(f"{self.name}-tp*.log")):
+            with contextlib.suppress(OSError), open(path, "rb") as handle:
+                handle.seek(max(0, path.stat().st_size - LOG_COPY_BYTES))
+                found[path.name] = handle.read()
+        return found
 
     def listeners(self) -> list[tuple[int, str, int]]:
         from pdctl.launch.listeners import listeners
@@ -204,15 +234,6 @@ class RemoteSpawned:
             return str(self._call("log_tail", lines))
         except Exception:
             return ""
-
-    def collect_log(self) -> None:
-        """Copy the log into this host's run directory when the node is another host."""
-        if self.log_path.exists():
-            return
-        with contextlib.suppress(Exception):
-            data = self._call("read_log")
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self.log_path.write_bytes(data)
 
 
 class RayPlacement:
@@ -268,9 +289,14 @@ class RayPlacement:
     def call(self, name: str, method: str, *args: Any) -> Any:
         return _ask(self.ray, self.actors[name], method, *args)
 
-    def stop(self, grace: float) -> list[str]:
-        """End every server (router first: reverse order), then the actors; names left."""
-        left = [n for n in reversed(list(self.actors)) if not _end(self.ray, self.actors[n], grace)]
+    def stop(self, grace: float, run_dir: Path | None = None) -> list[str]:
+        """End every server (router first: reverse order), copy its logs into `run_dir`,
+        then end the actors; the names of servers something is left of."""
+        left = [
+            name
+            for name in reversed(list(self.actors))
+            if not _end(self.ray, self.actors[name], grace, run_dir)
+        ]
         self.close()
         return left
 
@@ -285,15 +311,38 @@ class RayPlacement:
             self.group = None
 
 
-def _end(ray: Any, actor: Any, grace: float) -> bool:
-    """Stop the actor's server, then the actor; False when something of the server is left."""
+def _end(ray: Any, actor: Any, grace: float, run_dir: Path | None = None) -> bool:
+    """Stop the actor's server, copy its logs into `run_dir`, end the actor; False when
+    something of the server is left."""
     try:
         return bool(ray.get(actor.stop.remote(grace), timeout=CALL_TIMEOUT_S))
     except Exception:  # the actor is already gone, and its server died with it
         return True
     finally:
+        if run_dir is not None:
+            copy_logs(ray, actor, run_dir)
         with contextlib.suppress(Exception):
             ray.kill(actor)
+
+
+def copy_logs(ray: Any, actor: Any, run_dir: Path) -> list[str]:
+    """Write the logs of the actor's server that this host lacks into `run_dir` (a
+    node on this host that wrote into the run directory itself leaves nothing to
+    copy); the names copied. A node that is gone keeps its logs."""
+    try:
+        logs: dict[str, bytes] = _ask(ray, actor, "read_logs")
+    except Exception:
+        return []
+    copied = []
+    for name, data in logs.items():
+        target = run_dir / Path(name).name
+        if target.exists():
+            continue
+        with contextlib.suppress(OSError):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            copied.append(target.name)
+    return copied
 
 
 def _recorded(record: Mapping[str, Any]) -> tuple[Any, list[tuple[str, Any]]]:
@@ -314,20 +363,29 @@ def _ask(ray: Any, actor: Any, method: str, *args: Any) -> Any:
 
 
 def stop_recorded(record: Mapping[str, Any], grace: float = 5.0) -> list[str]:
-    """`pdctl down` of a Ray run started elsewhere: find its named actors and end them."""
+    """`pdctl down` of a Ray run started elsewhere: find its named actors, end them,
+    and collect their logs into the run directory."""
     ray, actors = _recorded(record)
-    left = [name for name, actor in reversed(actors) if actor and not _end(ray, actor, grace)]
+    run_dir = Path(str(record["run_dir"])) if record.get("run_dir") else None
+    left = [
+        name for name, actor in reversed(actors) if actor and not _end(ray, actor, grace, run_dir)
+    ]
     with contextlib.suppress(Exception):
         group = ray.util.get_placement_group(f"{record['name']}/group")
         ray.util.remove_placement_group(group)
     return left
 
 
-def recorded_log_tails(record: Mapping[str, Any], lines: int) -> dict[str, str]:
-    """Process name -> the tail of its rank-0 log, read on its node (`pdctl logs`)."""
+def recorded_log_tails(
+    record: Mapping[str, Any], lines: int, wanted: Callable[[str], bool] = lambda _: True
+) -> dict[str, str]:
+    """Process name -> the tail of its rank-0 log, read on its node (`pdctl logs`), for
+    the processes `wanted` says."""
     ray, actors = _recorded(record)
     found = {}
     for name, actor in actors:
+        if not wanted(name):
+            continue
         with contextlib.suppress(Exception):
             found[name] = str(_ask(ray, actor, "log_tail", lines))
     return found

@@ -50,10 +50,11 @@ class RayRun(Run):
                 name = state.plan.name
                 argv = render_command(state.plan.command, self.render_map)
                 log_path = self.dir / f"{name}-tp0.log"
-                pid = self.ray.call(name, "spawn", name, argv, self.env_overrides(state.plan),
-                                    str(log_path), self.host_of(name))  # fmt: skip
+                started = self.ray.call(name, "spawn", name, argv, self.env_overrides(state.plan),
+                                        str(log_path), self.host_of(name))  # fmt: skip
+                self.nodes[name]["log_dir"] = started["log_dir"]
                 state.spawned = RemoteSpawned(  # type: ignore[assignment]
-                    name, int(pid), log_path, self.ray.actors[name], self.nodes[name]
+                    name, int(started["pid"]), log_path, self.ray.actors[name], self.nodes[name]
                 )
         except LaunchFailed:
             self.stop()
@@ -78,10 +79,7 @@ class RayRun(Run):
         }
 
     def stop(self, grace: float = 5.0) -> list[str]:
-        for state in self.states:
-            if isinstance(state.spawned, RemoteSpawned):
-                state.spawned.collect_log()
-        left = self.ray.stop(grace) if self.ray is not None else []
+        left = self.ray.stop(grace, self.dir) if self.ray is not None else []
         if self.state_path is not None and not left:
             self.state_path.unlink(missing_ok=True)
         return left

@@ -31,8 +31,15 @@ print(json.dumps([a["name"] for a in ray.util.list_named_actors(all_namespaces=T
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Any]:
-    saved = {k: os.environ.get(k) for k in RAY_ENV}
+def node_b_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Node b keeps its servers' logs in a folder of its own, as a host that cannot
+    write the driver's run directory does: pdctl must fetch them from there."""
+    return tmp_path_factory.mktemp("node-b-logs")
+
+
+@pytest.fixture(scope="module")
+def cluster(node_b_logs: Path) -> Iterator[Any]:
+    saved = {k: os.environ.get(k) for k in [*RAY_ENV, "PDCTL_NODE_LOG_DIR"]}
     os.environ.update(RAY_ENV)
     from ray.cluster_utils import Cluster
 
@@ -40,7 +47,9 @@ def cluster() -> Iterator[Any]:
     try:
         nodes.add_node(num_cpus=2, node_ip_address="127.0.0.1", include_dashboard=False,
                        resources={"node-a": 1})  # fmt: skip
+        os.environ["PDCTL_NODE_LOG_DIR"] = str(node_b_logs)  # node b's processes inherit it
         nodes.add_node(num_cpus=2, node_ip_address="127.0.0.1", resources={"node-b": 1})
+        os.environ.pop("PDCTL_NODE_LOG_DIR")
         nodes.wait_for_nodes()
         yield nodes
     finally:
@@ -90,7 +99,7 @@ def run_record(tmp_path: Path) -> dict[str, Any]:
 
 
 def test_verify_with_prefill_and_decode_on_different_nodes(
-    cluster: Any, env: dict[str, str], tmp_path: Path
+    cluster: Any, env: dict[str, str], tmp_path: Path, node_b_logs: Path
 ) -> None:
     out = tmp_path / "verify.json"
     result = pdctl(env, "verify", str(topology(tmp_path, cluster)), "--serial-compare",
@@ -102,8 +111,14 @@ def test_verify_with_prefill_and_decode_on_different_nodes(
     nodes = {p["name"]: p["node"]["node_id"] for p in record["processes"]}
     assert nodes["prefill-0"] != nodes["decode-0"]  # placed by the role resources
     assert all(p["node"]["ip"] == "127.0.0.1" for p in record["processes"])
+    # every rank's log is in the run directory: decode's (both ranks) copied from node b
     logs = sorted(p.name for p in (tmp_path / "runs").glob("*/*.log"))
     assert logs == ["decode-0-tp0.log", "decode-0-tp1.log", "prefill-0-tp0.log", "router-tp0.log"]
+    on_b = {p.name for p in (node_b_logs / record["name"]).glob("*.log")}
+    assert {"decode-0-tp0.log", "decode-0-tp1.log"} <= on_b, on_b  # the router may be there too
+    copied = (tmp_path / "runs" / record["name"] / "decode-0-tp1.log").read_text()
+    assert copied == (node_b_logs / record["name"] / "decode-0-tp1.log").read_text()
+    assert "ready on cpu (tp 2" in copied, copied[-500:]
     # teardown: no server process and no actor of the run is left on any node
     assert not any(pid_alive(int(p["pid"])) for p in record["processes"])
     assert not [a for a in named_actors(cluster, env) if a.startswith(record["name"])]
@@ -121,11 +136,22 @@ def test_up_detach_status_logs_down(cluster: Any, env: dict[str, str], tmp_path:
         assert sorted(named_actors(cluster, env)) == sorted(
             f"{record['name']}/{name}" for name in ("prefill-0", "decode-0", "router")
         )
+        # decode runs on node b, whose logs are not in the run directory: read there
+        run_dir = Path(record["run_dir"])
+        assert not list(run_dir.glob("decode-*.log"))
         logs = pdctl(env, "logs", "ray-p1d2", "decode-0", "--lines", "5")
-        assert logs.returncode == 0 and logs.stdout.strip(), logs.stderr
+        assert logs.returncode == 0, logs.stderr
+        assert "==> decode-0 (on its node) <==" in logs.stdout and "tp0" in logs.stdout, logs.stdout
+        both = pdctl(env, "logs", "ray-p1d2", "--lines", "3")
+        assert "(on its node)" in both.stdout and "prefill-0-tp0.log" in both.stdout, both.stdout
     finally:
         down = pdctl(env, "down", "--all")
     assert down.returncode == 0, down.stderr
+    # `pdctl down` from another process ended the servers, then copied node b's logs here
+    assert sorted(p.name for p in run_dir.glob("decode-*.log")) == [
+        "decode-0-tp0.log",
+        "decode-0-tp1.log",
+    ]
     assert not any(pid_alive(int(p["pid"])) for p in record["processes"])
     assert not [a for a in named_actors(cluster, env) if a.startswith(record["name"])]
     assert json.loads(pdctl(env, "status", "--json").stdout) == []
