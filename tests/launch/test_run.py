@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -87,6 +91,33 @@ def test_concurrent_allocations_never_share_a_port() -> None:
     assert not set(first.ports.values()) & set(second.ports.values())
     first.release()
     second.release()
+
+
+ALLOCATE = """
+import json, sys
+from pdctl.engines.base import PortSlot
+from pdctl.launch.ports import allocate
+got = allocate([PortSlot("p", f"s{i}", "test") for i in range(40)], "127.0.0.1")
+print(json.dumps(sorted(got.ports.values())))
+"""
+
+
+def test_pdctl_processes_allocating_at_once_never_share_a_port(tmp_path: Path) -> None:
+    """Six processes allocate 40 ports each at the same moment, none binding them: the
+    host lock and the reservation table keep every port distinct."""
+    env = {**os.environ, "PDCTL_PORTS_DIR": str(tmp_path / "ports")}
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", ALLOCATE], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(6)
+    ]
+    seen: list[int] = []
+    for child in children:
+        out, _ = child.communicate(timeout=120)
+        assert child.returncode == 0
+        seen += json.loads(out)
+    assert len(seen) == 240 and len(set(seen)) == 240
 
 
 def test_dynamic_ports_stay_out_of_the_ephemeral_range() -> None:
