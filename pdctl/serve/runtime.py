@@ -3,7 +3,8 @@
 Rank 0 of a server spawns the other ranks (same arguments plus `--tp-rank`), so a
 server is one process group that pdctl's launcher owns. Every rank loads the same
 weights (sliced for itself) and an identical KV pool layout; rank 0 then runs the
-role (HTTP API, scheduler) and the others follow its broadcasts.
+role (HTTP API, scheduler) and the others follow its broadcasts. Encoder ranks load
+no language model (only its shape and tokenizer): they run the encoder model.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pdctl.core import DIST_BACKENDS
+from pdctl.serve import ops
 from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.args import ServerArgs
 from pdctl.serve.kv_pool import KVPool
@@ -41,13 +43,20 @@ log = logging.getLogger("pdctl.serve")
 
 
 @dataclass
+class LanguageModel:
+    """A rank's share of the language model: weights, KV pool, runner."""
+
+    weights: RankWeights
+    kv: KVPool
+    runner: ModelRunner
+
+
+@dataclass
 class Rank:
     args: ServerArgs
     device: torch.device
     config: ModelConfig
-    weights: RankWeights
-    kv: KVPool
-    runner: ModelRunner
+    model: LanguageModel | None  # None on encoder ranks
     group: tensor_parallel.TPGroup | None
     tokenizer: Tokenizer
     children: list[subprocess.Popen[bytes]]
@@ -55,6 +64,19 @@ class Rank:
     @property
     def model_name(self) -> str:
         return self.args.model_path or f"preset:{self.args.model_preset}"
+
+    def _model(self) -> LanguageModel:
+        if self.model is None:
+            raise RuntimeError(f"a {self.args.role} rank holds no language model")
+        return self.model
+
+    @property
+    def kv(self) -> KVPool:
+        return self._model().kv
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self._model().runner
 
     @property
     def max_context(self) -> int:
@@ -83,24 +105,44 @@ def device_for(args: ServerArgs) -> torch.device:
     return torch.device(args.device, args.tp_rank)  # visibility masks make ranks 0..tp-1
 
 
-def load_model(
-    args: ServerArgs, device: torch.device
-) -> tuple[ModelConfig, RankWeights, Tokenizer]:
-    dtype = DTYPES[args.dtype]
+def load_config(args: ServerArgs) -> tuple[ModelConfig, Tokenizer]:
+    """The language model's shape and tokenizer (no weights)."""
     if args.model_path:
         path = Path(args.model_path)
         config = checkpoint_config(path)
-        weights = build_rank_weights(
-            config, checkpoint_source(path), args.tp, args.tp_rank, dtype, device
-        )
-        tokenizer: Tokenizer = HFTokenizer(path, config.shape.vocab_size)
-    else:
-        config = preset_config(args.model_preset or "tiny")
-        weights = build_rank_weights(
-            config, preset_source(args.seed), args.tp, args.tp_rank, dtype, device
-        )
-        tokenizer = ByteTokenizer(config.shape.vocab_size)
-    return config, weights, tokenizer
+        return config, HFTokenizer(path, config.shape.vocab_size)
+    config = preset_config(args.model_preset or "tiny")
+    return config, ByteTokenizer(config.shape.vocab_size)
+
+
+def load_model(
+    args: ServerArgs, config: ModelConfig, device: torch.device, gather: ops.AllGather | None
+) -> LanguageModel:
+    """This rank's weights, its KV pool and the runner over them."""
+    dtype = DTYPES[args.dtype]
+    path = Path(args.model_path) if args.model_path else None
+    source = checkpoint_source(path) if path else preset_source(args.seed)
+    weights = build_rank_weights(config, source, args.tp, args.tp_rank, dtype, device)
+    pool = args.kv_pool_tokens or 16384
+    pool -= pool % args.page_size
+    kv = KVPool(
+        config.shape.num_layers,
+        pool,
+        weights.kv_heads,
+        config.shape.head_dim,
+        args.page_size,
+        dtype,
+        device,
+    )
+    runner = ModelRunner(weights, kv, device, gather, compute_logits=args.tp_rank == 0)
+    log.info(
+        "model %s ready on %s (tp %d, %d KV tokens)",
+        args.model_path or args.model_preset,
+        device,
+        args.tp,
+        pool,
+    )
+    return LanguageModel(weights, kv, runner)
 
 
 def start_rank(args: ServerArgs, argv: list[str]) -> Rank:
@@ -121,31 +163,11 @@ def start_rank(args: ServerArgs, argv: list[str]) -> Rank:
         group = tensor_parallel.TPGroup(
             args.tp_rank, args.tp, "127.0.0.1", args.dist_port, backend, 600
         )
-    config, weights, tokenizer = load_model(args, device)
-    pool = args.kv_pool_tokens or 16384
-    if args.role == "encoder":  # keeps no KV: one page, so every rank has the same shape
-        pool = args.page_size
-    pool -= pool % args.page_size
-    kv = KVPool(
-        config.shape.num_layers,
-        pool,
-        weights.kv_heads,
-        config.shape.head_dim,
-        args.page_size,
-        DTYPES[args.dtype],
-        device,
-    )
-    runner = ModelRunner(
-        weights, kv, device, group.gather if group else None, compute_logits=args.tp_rank == 0
-    )
-    log.info(
-        "model %s ready on %s (tp %d, %d KV tokens)",
-        args.model_path or args.model_preset,
-        device,
-        args.tp,
-        pool,
-    )
-    return Rank(args, device, config, weights, kv, runner, group, tokenizer, children)
+    config, tokenizer = load_config(args)
+    model = None
+    if args.role != "encoder":  # the encoder's ranks run the encoder model only
+        model = load_model(args, config, device, group.gather if group else None)
+    return Rank(args, device, config, model, group, tokenizer, children)
 
 
 def rank_forward(rank: Rank):  # type: ignore[no-untyped-def]
@@ -163,10 +185,15 @@ def rank_forward(rank: Rank):  # type: ignore[no-untyped-def]
 
 def run_worker(rank: Rank) -> None:
     assert rank.group is not None
+    forward = rank.model.runner.forward if rank.model is not None else _no_forward
     try:
-        tensor_parallel.worker_loop(rank.group, rank.runner.forward)
+        tensor_parallel.worker_loop(rank.group, forward)
     finally:
         rank.group.close()
+
+
+def _no_forward(pieces: object) -> None:
+    raise RuntimeError("an encoder rank runs no language-model forward")
 
 
 def stop_ranks(rank: Rank) -> None:

@@ -62,6 +62,7 @@ def image_from_payload(payload: torch.Tensor) -> torch.Tensor:
 def encoder_model(rank: Rank) -> EncoderModel:
     """This rank's shard of the encoder model (the whole model at TP 1)."""
     args, group = rank.args, rank.group
+    log.info("encoder model on %s (tp rank %d of %d)", rank.device, args.tp_rank, args.tp)
     return EncoderModel(
         rank.config.shape.hidden_size,
         dtype=DTYPES[args.dtype],
