@@ -30,14 +30,16 @@ PD_TOPOLOGY=${PD_TOPOLOGY:-topologies/cuda-2gpu-p1d2-tcp-staging.yaml}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-wheels=$(compgen -G ".whl/*.whl"; compgen -G ".whl-gpu/*.whl")
+# CARRIED=0 skips the carried wheels and debs (a machine that has the packages)
+CARRIED=${CARRIED:-1}
+wheels=$([ "$CARRIED" = 1 ] && { compgen -G ".whl/*.whl"; compgen -G ".whl-gpu/*.whl"; })
 if [ -n "$wheels" ]; then
   # shellcheck disable=SC2086
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/pdctl-site $wheels || exit 1
   export PYTHONPATH=/tmp/pdctl-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if compgen -G ".debs/*.deb" >/dev/null; then
+if [ "$CARRIED" = 1 ] && compgen -G ".debs/*.deb" >/dev/null; then
   for deb in .debs/*.deb; do dpkg -x "$deb" /tmp/ibv; done
   export LD_LIBRARY_PATH=/tmp/ibv/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
