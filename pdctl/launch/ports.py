@@ -14,7 +14,9 @@ program's client), and such a connection can take a port between allocation and
 the server's bind, which fails the server with "address already in use". Ports
 below (or above) the range are only ever taken by an explicit bind, which the
 bind test and the reservation file cover. Ports the administrator reserved
-(`net.ipv4.ip_local_reserved_ports`) are left alone too.
+(`net.ipv4.ip_local_reserved_ports`) are left alone too. On a host whose ephemeral
+range leaves almost nothing outside it, the kernel picks (the race above is then
+possible again, and only there).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pdctl.errors import LaunchError
 
 RESERVATION_S = 300.0
 LOWEST_PORT = 20000  # clear of common services and of Ray's worker ports (10002-19999)
+MIN_CANDIDATES = 1000
 DEFAULT_EPHEMERAL = (32768, 60999)  # Linux's default; macOS/BSD use 49152-65535
 _PROC = Path("/proc/sys/net/ipv4")
 
@@ -137,7 +140,11 @@ def ephemeral_range() -> tuple[int, int]:
 
 
 def candidate_ports() -> list[int]:
-    """Ports allocation may hand out: outside the ephemeral range and the reserved list."""
+    """Ports allocation may hand out: outside the ephemeral range and the reserved list.
+
+    Empty when the ephemeral range leaves fewer than MIN_CANDIDATES (a host tuned to
+    `1024 65535`): allocation then takes ports the kernel picks, as it must.
+    """
     low, high = ephemeral_range()
     try:
         reserved = _parse_ranges((_PROC / "ip_local_reserved_ports").read_text())
@@ -148,13 +155,7 @@ def candidate_ports() -> list[int]:
         for port in range(LOWEST_PORT, 65536)
         if not low <= port <= high and not any(a <= port <= b for a, b in reserved)
     ]
-    if len(ports) < 1000:  # a host whose ephemeral range covers nearly everything
-        raise PortError(
-            f"the ephemeral port range {low}-{high} leaves fewer than 1000 ports at or above "
-            f"{LOWEST_PORT} for servers; narrow net.ipv4.ip_local_port_range or pin the "
-            "topology's ports"
-        )
-    return ports
+    return ports if len(ports) >= MIN_CANDIDATES else []
 
 
 @dataclass(frozen=True)
@@ -203,16 +204,19 @@ def allocate(slots: Sequence[PortSlot], host: str) -> Allocation:
                 if slot.fixed is not None:
                     continue
                 for _ in range(400):
-                    port = draw.choice(candidates)
-                    if port in reservations or port in chosen.values():
+                    wanted = draw.choice(candidates) if candidates else 0  # 0: the kernel's
+                    if wanted in reservations or wanted in chosen.values():
                         continue
                     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                     try:
-                        sock.bind((host, port))
+                        sock.bind((host, wanted))
                     except OSError:
                         sock.close()
                         continue
                     held.append(sock)  # held while the rest are chosen
+                    port = int(sock.getsockname()[1])
+                    if port in reservations or port in chosen.values():
+                        continue
                     chosen[slot.key] = port
                     break
                 else:
