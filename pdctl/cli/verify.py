@@ -135,6 +135,9 @@ def render(report: Report) -> None:
             f"{timing.get('p95_ms', 0):.0f}",
         )
     console.out.print(table)
+    moved = kv_summary(report)
+    if moved:
+        console.out.print(moved, markup=False)
     for run in report.passes:
         if run.skipped:
             console.out.print(f"{run.name}: skipped ({run.skipped})", markup=False)
@@ -157,3 +160,37 @@ def render(report: Report) -> None:
     phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in report.phases.items())
     style = VERDICT_STYLE.get(report.verdict, "")
     console.out.print(f"[{style}]{report.verdict.upper()}[/{style}]  ({phases})")
+
+
+def kv_summary(report: Report) -> str | None:
+    """One line on how the first pass's KV moved: transport, path, bytes, and prefill's
+    write time (median, and the largest transfer's rate), when the router reports it."""
+    transfers = next(
+        (
+            [r.kv_transfer for r in run.results if r.ok and r.kv_transfer]
+            for run in report.passes
+            if not run.skipped and any(r.kv_transfer for r in run.results)
+        ),
+        [],
+    )
+    if not transfers:
+        return None
+    total = sum(int(t.get("bytes", 0)) for t in transfers)
+    transports = ", ".join(sorted({str(t.get("transport")) for t in transfers}))
+    paths = sorted({"staging" if t.get("staging") else "direct" for t in transfers})
+    line = (
+        f"KV: {len(transfers)} transfers over {transports} ({', '.join(paths)}, up to "
+        f"{max(int(t.get('segments', 0)) for t in transfers)} segments), "
+        f"{total / (1 << 20):.2f} MiB in all"
+    )
+    timed = [t for t in transfers if isinstance(t.get("write_ms"), (int, float))]
+    if timed:
+        writes = sorted(float(t["write_ms"]) for t in timed)
+        largest = max(timed, key=lambda t: int(t.get("bytes", 0)))
+        gbps = int(largest["bytes"]) / 1e6 / max(float(largest["write_ms"]), 1e-3)  # MB/ms
+        line += (
+            f"; prefill write p50 {writes[len(writes) // 2]:.1f} ms, the largest "
+            f"({int(largest['bytes']) / (1 << 20):.2f} MiB) {float(largest['write_ms']):.1f} ms "
+            f"= {gbps:.3f} GB/s"
+        )
+    return line

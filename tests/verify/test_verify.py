@@ -43,6 +43,9 @@ def test_default_topology_passes_with_reports(env: dict[str, str], tmp_path: Pat
                     "--json", str(out), "--junit", str(junit))  # fmt: skip
     assert result.returncode == 0, result.stderr + result.stdout
     assert "PASS" in result.stdout
+    kv_line = next(line for line in result.stdout.splitlines() if line.startswith("KV: "))
+    assert "12 transfers over tcp (staging, up to" in kv_line and "prefill write p50" in kv_line
+    assert float(kv_line.rsplit("= ", 1)[1].removesuffix(" GB/s")) > 0.001, kv_line
     report = report_of(out)
     assert report["verdict"] == "pass" and report["findings"] == []
     names = [p["name"] for p in report["passes"]]
