@@ -150,11 +150,13 @@ def candidate_ports() -> list[int]:
         reserved = _parse_ranges((_PROC / "ip_local_reserved_ports").read_text())
     except OSError:
         reserved = []
-    ports = [
-        port
-        for port in range(LOWEST_PORT, 65536)
-        if not low <= port <= high and not any(a <= port <= b for a, b in reserved)
-    ]
+    below, above = (
+        range(LOWEST_PORT, max(LOWEST_PORT, low)),
+        range(max(LOWEST_PORT, high + 1), 65536),
+    )
+    ports = [*below, *above]
+    if reserved:
+        ports = [port for port in ports if not any(a <= port <= b for a, b in reserved)]
     return ports if len(ports) >= MIN_CANDIDATES else []
 
 
