@@ -82,6 +82,19 @@ class TPGroup:
             dist.destroy_process_group()
 
 
+def float_bits(values: torch.Tensor) -> torch.Tensor:
+    """Any float tensor -> its float32 bit patterns as flat int64 (exact for every model
+    dtype), for the int64 broadcasts."""
+    return (
+        values.detach().to("cpu", torch.float32).contiguous().view(torch.int32).reshape(-1).long()
+    )
+
+
+def from_float_bits(bits: torch.Tensor, *shape: int) -> torch.Tensor:
+    """The inverse of float_bits: float32 values of `shape`."""
+    return bits.to(torch.int32).view(torch.float32).view(*shape)
+
+
 def encode_pieces(pieces: Sequence[Piece]) -> torch.Tensor:
     meta = [[p.tokens.numel(), p.start, int(p.want_logits), p.rows.numel()] for p in pieces]
     parts = [torch.tensor(meta, dtype=torch.int64).reshape(-1)]
@@ -92,8 +105,7 @@ def encode_pieces(pieces: Sequence[Piece]) -> torch.Tensor:
     for piece in pieces:
         for index, rows in piece.embeds:
             embed_meta += [index, rows.shape[0], rows.shape[1]]
-            bits = rows.detach().to("cpu", torch.float32).contiguous().view(torch.int32)
-            parts.append(bits.reshape(-1).to(torch.int64))
+            parts.append(float_bits(rows))
     parts.insert(0, torch.tensor(embed_meta, dtype=torch.int64))
     return torch.cat([torch.tensor([len(pieces), len(embed_meta)], dtype=torch.int64), *parts])
 
@@ -118,8 +130,8 @@ def decode_pieces(payload: torch.Tensor) -> list[Piece]:
         for _ in range(num_embeds):
             index, height, width = embed_meta[cursor : cursor + 3]
             cursor += 3
-            bits = payload[offset : offset + height * width].to(torch.int32)
-            embeds.append((index, bits.view(torch.float32).view(height, width)))
+            bits = payload[offset : offset + height * width]
+            embeds.append((index, from_float_bits(bits, height, width)))
             offset += height * width
         piece.embeds = tuple(embeds)
     return pieces

@@ -39,6 +39,7 @@ from pdctl.serve.roles.common import run_servers, server_info
 from pdctl.serve.runtime import DTYPES, Rank, stop_ranks
 from pdctl.serve.runtime import run_worker as run_tp_worker
 from pdctl.serve.schemas import GenerateBody, error_body
+from pdctl.serve.tp import float_bits, from_float_bits
 from pdctl.staging.buffer import StagingBuffer
 from pdctl.staging.embedding_pool import synchronize_before_send
 from pdctl.staging.transport import Peer
@@ -50,13 +51,11 @@ OP_ENCODE = 30  # TP: rank 0 hands the other ranks an image to encode
 
 def image_payload(image: torch.Tensor) -> torch.Tensor:
     """[3, H, W] float32 -> int64 [3, H, W, bits...] for the TP broadcast (exact)."""
-    bits = image.detach().to("cpu", torch.float32).contiguous().view(torch.int32)
-    return torch.cat([torch.tensor(image.shape, dtype=torch.int64), bits.reshape(-1).long()])
+    return torch.cat([torch.tensor(image.shape, dtype=torch.int64), float_bits(image)])
 
 
 def image_from_payload(payload: torch.Tensor) -> torch.Tensor:
-    shape = [int(d) for d in payload[:3]]
-    return payload[3:].to(torch.int32).view(torch.float32).view(*shape)
+    return from_float_bits(payload[3:], *(int(d) for d in payload[:3]))
 
 
 def encoder_model(rank: Rank) -> EncoderModel:
