@@ -25,15 +25,15 @@ from fastapi.responses import JSONResponse
 from pdctl.serve.http import guard_json_depth, refuse_oversized
 from pdctl.serve.pd.client import refuse_unless_authorized
 from pdctl.serve.pd.embeddings import EmbeddingError, EmbeddingReceiver
-from pdctl.serve.pd.protocol import Registration, SegmentRegion, json_int, segment_from_json
+from pdctl.serve.pd.protocol import (
+    BootstrapError,
+    Registration,
+    SegmentRegion,
+    json_int,
+    segment_from_json,
+)
 
 TOMBSTONE_S = 300.0
-
-
-class BootstrapError(Exception):
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -308,11 +308,8 @@ def bootstrap_app(
 
 
 def add_embedding_routes(app: FastAPI, embeddings: EmbeddingReceiver) -> None:
-    """The encoder's side of an EPD request: a slot for its embeddings, then `sent`."""
-
-    @app.exception_handler(EmbeddingError)
-    async def refused(_: HttpRequest, exc: EmbeddingError) -> JSONResponse:
-        return JSONResponse({"error": str(exc)}, status_code=exc.status)
+    """The encoder's side of an EPD request: a slot for its embeddings, then `sent`
+    (refusals are BootstrapErrors, answered by the app's handler)."""
 
     @app.post("/bootstrap/embedding/alloc")
     async def alloc(request: HttpRequest) -> dict[str, Any]:

@@ -228,6 +228,7 @@ class EncoderModel:
         self.width = WIDTH
         self.head_dim = WIDTH // NUM_HEADS
         self.local_heads = NUM_HEADS // tp
+        self.local_width = self.local_heads * self.head_dim  # this rank's attention columns
         self.dtype = dtype
         self.device = torch.device(device)
         self.gather = gather
@@ -247,7 +248,7 @@ class EncoderModel:
         self.patch_t = place(get("patch_embed.weight", (WIDTH, patch_in)).t())  # [48, width]
         self.patch_bias = place(get("patch_embed.bias", (WIDTH,)))
         self.positions = place(get("position_embedding.weight", (GRID * GRID, WIDTH)))
-        local = self.local_heads * self.head_dim  # this rank's attention columns
+        local = self.local_width
         mine = slice(tp_rank * local, (tp_rank + 1) * local)
         inner = MLP_RATIO * WIDTH
         inner_mine = slice(tp_rank * inner // tp, (tp_rank + 1) * inner // tp)
@@ -300,7 +301,7 @@ class EncoderModel:
         x = ops.matmul(patches, self.patch_t) + self.patch_bias
         x = ops.pad_rows(x + self.positions[grid_index])  # [N padded, width]
         everyone = torch.full((count,), count - 1, dtype=torch.int64, device=self.device)
-        local = self.local_heads * self.head_dim
+        local = self.local_width
         for layer in self.layers:
             h = ops.rms_norm(x, layer.attn_norm, RMS_EPS)
             qkv = ops.matmul(h, layer.qkv_t)  # [N padded, 3 * local]

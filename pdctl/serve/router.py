@@ -216,17 +216,14 @@ async def route_one(
                 raise error.paired_with(decode if error.side is prefill else prefill)
             if error is not None:
                 raise error
-        response = await decode_task
-        answer = response.json()
+        answer = (await decode_task).json()
+        prefilled = await prefill_task
         meta = answer.get("meta_info")
         if isinstance(meta, dict):
-            prefilled = await prefill_task
             with contextlib.suppress(ValueError):  # decode's answer stands without it
                 _add_prefill_side(meta, prefilled.json())
             if embedding is not None:
                 meta["embedding_transfer"] = embedding
-        else:
-            await prefill_task
         return answer
     finally:
         for task in (prefill_task, decode_task):

@@ -28,6 +28,7 @@ from pdctl.serve.kv_pool import KVPool
 from pdctl.serve.model import ModelRunner
 from pdctl.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from pdctl.serve.weights import (
+    DTYPES,
     ModelConfig,
     RankWeights,
     build_rank_weights,
@@ -38,7 +39,6 @@ from pdctl.serve.weights import (
 )
 from pdctl.staging import device as dev
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 log = logging.getLogger("pdctl.serve")
 
 

@@ -310,19 +310,16 @@ def check_launcher(topology: Topology, context: RuleContext) -> Iterator[Issue]:
     """Ray's keys mean nothing to the local launcher; roles pinned must exist."""
     launcher = topology.launcher
     if launcher.kind == "local":
-        for key, default in (("address", "auto"), ("placement", "spread")):
+        ray_keys: tuple[tuple[str, object], ...] = (
+            ("address", "auto"), ("placement", "spread"), ("resources", {})
+        )  # fmt: skip
+        for key, default in ray_keys:
             if getattr(launcher, key) != default:
                 yield Issue(
                     ("launcher", key),
                     f"launcher.{key} applies to kind: ray, not local",
                     "set launcher.kind: ray, or remove the key",
                 )
-        if launcher.resources:
-            yield Issue(
-                ("launcher", "resources"),
-                "launcher.resources applies to kind: ray, not local",
-                "set launcher.kind: ray, or remove the key",
-            )
     for role in launcher.resources:
         if role != "router" and getattr(topology.roles, role, None) is None:
             yield Issue(("launcher", "resources", role), f"there is no {role} role to place")

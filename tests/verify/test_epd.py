@@ -3,7 +3,6 @@ against a colocated server that runs the encoder in-process, on every transport.
 
 from __future__ import annotations
 
-import base64
 import json
 import random
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.run import Run
 from pdctl.serve.encoder_model import EncoderModel, parse_image
 from pdctl.serve.multimodal import digest_of
+from pdctl.verify.workload import image
 from tests.conftest import REPO
 from tests.verify.test_verify import QUICK, env, report_of, verify  # noqa: F401
 
@@ -63,15 +63,20 @@ def test_epd_verifies_token_exact_against_the_colocated_encoder(
     assert reference["requests"] and all(r["ok"] for r in reference["requests"])
 
 
+def verify_failing(environ: dict[str, str], tmp_path: Path, fault: str) -> dict[str, Any]:
+    """The catalog EPD topology verified with `fault` injected: it must fail (exit 1)."""
+    out = tmp_path / "verify.json"
+    result = verify(environ, str(EPD), "--inject", fault, *QUICK, "--json", str(out))
+    report = report_of(out)
+    assert result.returncode == 1
+    return report
+
+
 def test_a_corrupted_embedding_is_caught_and_classified(
     env: dict[str, str],  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    out = tmp_path / "verify.json"
-    result = verify(env, str(EPD), "--inject", "corrupt-embedding:every=2", *QUICK,
-                    "--json", str(out))  # fmt: skip
-    report = report_of(out)
-    assert result.returncode == 1
+    report = verify_failing(env, tmp_path, "corrupt-embedding:every=2")
     kinds = {f["classification"] for f in report["findings"]}
     # every failed request is the corruption; a prefix family whose requests were the
     # corrupted ones can also leave the prefix-hit pass without a hit
@@ -86,9 +91,8 @@ def test_a_corrupted_embedding_is_caught_and_classified(
 
 
 def picture(seed: int, height: int = 16, width: int = 16) -> dict[str, Any]:
-    rng = random.Random(seed)
-    data = bytes(rng.randrange(256) for _ in range(3 * height * width))
-    return {"data": base64.b64encode(data).decode(), "dtype": "uint8", "shape": [3, height, width]}
+    """A base64 uint8 image, as verify's workload makes them."""
+    return dict(image(random.Random(seed), height, width, raw=True))
 
 
 @pytest.fixture(scope="module")
@@ -183,10 +187,6 @@ def test_an_encoder_that_dies_is_named(
     env: dict[str, str],  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    out = tmp_path / "verify.json"
-    result = verify(env, str(EPD), "--inject", "kill-role:role=encoder,after=2", *QUICK,
-                    "--json", str(out))  # fmt: skip
-    report = report_of(out)
-    assert result.returncode == 1
+    report = verify_failing(env, tmp_path, "kill-role:role=encoder,after=2")
     died = [f for f in report["findings"] if f["classification"] == "role-died"]
     assert died and "encoder-0" in died[0]["message"], report["findings"]

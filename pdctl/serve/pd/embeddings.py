@@ -22,17 +22,18 @@ from typing import Any
 import torch
 
 from pdctl.serve.multimodal import digest_of
+from pdctl.serve.pd.protocol import BootstrapError
+from pdctl.serve.weights import DTYPES
 from pdctl.staging.allocator import RegionTooLarge
 from pdctl.staging.embedding_pool import EmbeddingPool, EmbeddingSlot
 from pdctl.staging.transport import Transport
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
+class EmbeddingError(BootstrapError):
+    """An embedding exchange refused (400 unless said otherwise)."""
 
-class EmbeddingError(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+        super().__init__(message, status)
 
 
 @dataclass
@@ -90,7 +91,7 @@ class EmbeddingReceiver:
         return {
             "transport": base64.b64encode(self.transport.describe()).decode(),
             "ptr": self.pool.address(slot),
-            "bytes": num_tokens * hidden * torch.empty((), dtype=DTYPES[dtype]).element_size(),
+            "bytes": num_tokens * hidden * DTYPES[dtype].itemsize,
         }
 
     def sent(self, room: int, digest: int) -> None:

@@ -23,6 +23,14 @@ from pdctl.staging.allocator import Region, Watermark
 DIRECT_SEGMENT = -1  # the segment index of a direct (unstaged) page write
 
 
+class BootstrapError(Exception):
+    """A bootstrap message refused: the message, and the HTTP status it is answered with."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 @dataclass
 class SegmentRegion:
     """One ring region a decode rank offers for one segment of a room."""

@@ -68,7 +68,7 @@ class PrefillHooks:
         self.pending: dict[int, dict[str, Any]] = {}  # room -> {rid, reports}
         self.lock = threading.Lock()
         self.sender = make_sender(rank, self._snapshot, self.report)
-        self.embeddings: EmbeddingReceiver | None = None  # rank 0 of an EPD topology
+        self.embeddings: EmbeddingReceiver | None = None  # set by run(): every prefill takes them
         # What /get_server_info reports as kv_sent (benchmarks read the deltas).
         self.sent_totals: dict[str, Any] = {
             "rooms": 0,
