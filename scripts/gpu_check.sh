@@ -7,11 +7,12 @@
 # Python packages the machine lacks travel as wheels in .whl/ and .whl-gpu/ (the CUDA
 # Mooncake wheel), Debian's libibverbs1 and libnl as .debs/ (unpacked to /tmp/ibv,
 # never to /): see docs/benchmarks.md. STAGES picks parts: tests,bench,nightly,pd, and
-# sweep (staging kernel variants, device-only and end to end) and invariance (vendor
-# vs Triton products across batch sizes and TP splits). One device call runs for at
+# engine (the engine bench alone, deterministic and vendor modes side by side), sweep
+# (staging kernel variants, device-only and end to end) and invariance (vendor vs
+# Triton products across batch sizes and TP splits). One device call runs for at
 # most 10 minutes and brings back 8 files: split the stages over calls, e.g.
 # STAGES=sweep,invariance then STAGES=tests,pd then STAGES=nightly.
-# SUITE picks the nightly suite (default gpu; gpu-4 on a 4-GPU machine), TOPOLOGIES
+# SUITE picks the nightly suite (default gpu; gpu-1 on one GPU, gpu-4 on four), TOPOLOGIES
 # the files or folders it selects from (default topologies), NIGHTLY_TIMEOUT its
 # limit in seconds (default 420), and PD_TOPOLOGY the topology the pd stage
 # benchmarks (default the 2-GPU staging one; e.g.
@@ -50,11 +51,12 @@ status=0
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
   python3 -c 'import mooncake.engine; print("mooncake.engine importable")' 2>&1 | tail -n 1
+  python3 -c 'import nixl; print("nixl importable:", nixl.__file__)' 2>&1 | tail -n 1
   python3 -m pdctl doctor 2>&1 | tail -n 12
 } 2>&1 | tee "$OUT/machine.txt"
 
 if has tests; then
-  timeout 240 python3 -m pytest -q -m gpu tests/staging -p no:cacheprovider -x 2>&1 \
+  timeout 240 python3 -m pytest -q -s -m gpu tests/staging tests/serve -p no:cacheprovider -x 2>&1 \
     | tail -n 30 | tee "$OUT/gpu-tests.log"
   grep -q ' passed' "$OUT/gpu-tests.log" && ! grep -q 'failed\|error' "$OUT/gpu-tests.log" \
     || status=1
@@ -65,7 +67,8 @@ if has bench; then
       python3 -m pdctl bench staging --device "$DEVICE" --backend "$backend" --json \
         | python3 -c 'import json,sys; r=json.load(sys.stdin); r["backend_run"]=sys.argv[1]; print(json.dumps(r))' "$backend"
     done
-    python3 -m pdctl.serve.bench --preset small --device "$DEVICE" --batches 1,8,32 --json
+    python3 -m pdctl.serve.bench --preset small --device "$DEVICE" --batches 1,8,32 \
+      --modes deterministic,vendor --json
   } > "$OUT/bench.jsonl" || status=1
   python3 - "$OUT/bench.jsonl" <<'PY'
 import json, sys
@@ -78,6 +81,11 @@ for line in open(sys.argv[1]):
     else:
         print("engine bench:", json.dumps(report.get("rows", report)))
 PY
+fi
+
+if has engine; then
+  timeout 200 python3 -m pdctl.serve.bench --preset small --device "$DEVICE" --batches 1,8,32 \
+    --new-tokens 32 --modes deterministic,vendor 2>&1 | tee "$OUT/engine.log" || status=1
 fi
 
 if has sweep; then

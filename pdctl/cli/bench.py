@@ -139,11 +139,18 @@ def engine(
     ctx: typer.Context,
     preset: Annotated[str, typer.Option(help="Model preset: tiny (CPU) or small (GPU).")] = "tiny",
     device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
+    modes: Annotated[
+        str,
+        typer.Option(
+            help="deterministic (fixed-order kernels, the default serving mode) and/or "
+            "vendor (serving.deterministic: false), side by side"
+        ),
+    ] = "deterministic,vendor",
     json: JsonOption = False,
     verbose: VerboseOption = 0,
     quiet: QuietOption = False,
 ) -> None:
-    """Embedded engine tokens/s and per-step latency at batch 1, 8 and 32."""
+    """Embedded engine tokens/s and per-step latency at batch 1, 8 and 32, per mode."""
     import json as json_module
     import subprocess
     import sys
@@ -157,6 +164,8 @@ def engine(
         preset,
         "--device",
         device,
+        "--modes",
+        modes,
         "--json",
     ]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
@@ -169,10 +178,12 @@ def engine(
     table = Table(
         title=f"engine bench: {report['preset']} on {report['device']} ({report['dtype']})"
     )
-    for column in ("batch", "tokens/s", "ms/step", "steps"):
-        table.add_column(column, justify="right")
+    for column in ("mode", "kernels", "batch", "tokens/s", "ms/step", "steps"):
+        table.add_column(column, justify="left" if column in ("mode", "kernels") else "right")
     for row in report["rows"]:
         table.add_row(
+            row["mode"],
+            row["kernels"],
             str(row["batch"]),
             f"{row['tokens_per_s']:.1f}",
             f"{row['step_ms']:.2f}",

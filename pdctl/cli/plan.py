@@ -15,6 +15,7 @@ from pdctl.cli.common import JsonOption, QuietOption, VerboseOption, options, re
 from pdctl.engines.base import render_command
 from pdctl.launch.plan import LaunchPlan, ProcessPlan, load_checked, make_plan
 from pdctl.topology.issues import TopologyError
+from pdctl.topology.model import Topology
 
 
 def plan(
@@ -57,9 +58,20 @@ def _summary(launch_plan: LaunchPlan) -> list[str]:
         f"transfer  {transfer.backend}"
         + (f" over {transfer.effective_protocol}" if transfer.backend == "mooncake" else "")
         + f", staging {staging}",
+        f"serving   {serving_mode(topology)}",
         f"router    {topology.router.kind} at {launch_plan.router_url}",
         f"requires  {', '.join(needs)}",
     ]
+
+
+def serving_mode(topology: Topology) -> str:
+    """The serving mode as a line: what serving.deterministic asks of this engine."""
+    if not topology.serving.deterministic:
+        return "deterministic off (serving.deterministic: false): the vendor fast path"
+    if topology.engine == "sglang":
+        return "deterministic (serving.deterministic): --enable-deterministic-inference"
+    kernels = "one thread" if topology.device == "cpu" else "Triton products"
+    return f"deterministic (serving.deterministic): fixed-order kernels, {kernels}"
 
 
 def _process_table(launch_plan: LaunchPlan) -> Table:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -11,7 +11,7 @@ from rich.table import Table
 
 from pdctl import console
 from pdctl.cli.common import QuietOption, VerboseOption, options
-from pdctl.errors import CheckFailed, PdctlError
+from pdctl.errors import CheckFailed
 from pdctl.verify import session
 from pdctl.verify.report import Report
 
@@ -88,14 +88,10 @@ def verify(
         timeout=timeout,
     )
     progress = console.info if not (opts.quiet or stdout_json) else (lambda _: None)
-    try:
-        report = session.verify(chosen, progress)
-    except PdctlError:
-        failed = session.last_report()
-        if failed is not None:
-            _write(failed, json_file, junit, stdout_json)
-        raise
+    report = session.verify(chosen, progress)
     _write(report, json_file, junit, stdout_json)
+    if report.error is not None:  # the launch failed, or this machine cannot run it
+        raise report.error
     if not stdout_json:
         render(report)
     if report.verdict == "fail":
@@ -147,19 +143,35 @@ def render(report: Report) -> None:
             f"[{mark}]{finding.classification}[/{mark}] {finding.pass_name} "
             f"{finding.request}: {escape(finding.message)}"
         )
-        evidence = finding.evidence
-        if "expected" in evidence:
-            console.out.print(
-                f"    tokens from {evidence['window_start']}: expected {evidence['expected']}, "
-                f"got {evidence['got']}; top-5 there: baseline {evidence['baseline_top5']}, "
-                f"this run {evidence['run_top5']}",
-                markup=False,
-            )
+        for line in evidence_lines(finding.evidence):
+            console.out.print(f"    {line}", markup=False)
     if len(report.findings) > 20:
         console.out.print(f"... and {len(report.findings) - 20} more (see the JSON report)")
     phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in report.phases.items())
     style = VERDICT_STYLE.get(report.verdict, "")
     console.out.print(f"[{style}]{report.verdict.upper()}[/{style}]  ({phases})")
+
+
+def evidence_lines(evidence: dict[str, Any]) -> list[str]:
+    """A mismatch's tokens, the top-5 at its first divergence, and the control's tokens."""
+    if "expected" not in evidence:
+        return []
+    start = evidence["window_start"]
+    lines = [
+        f"tokens from {start}: expected {evidence['expected']}, got {evidence['got']}; top-5 "
+        f"there: baseline {evidence['baseline_top5']}, this run {evidence['run_top5']}"
+    ]
+    control = evidence.get("control")
+    if isinstance(control, dict) and control.get("ran"):
+        window = slice(start, start + len(evidence["expected"]))
+        lines.append(
+            f"control (no KV transfer) from {start}: {control['baseline_state']}: "
+            f"{control['baseline_state_output_ids'][window]}; {control['run_state']}: "
+            f"{control['output_ids'][window]}"
+        )
+    elif isinstance(control, dict):
+        lines.append(f"control: did not run ({control.get('reason')})")
+    return lines
 
 
 def kv_summary(report: Report) -> str | None:

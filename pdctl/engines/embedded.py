@@ -51,6 +51,7 @@ def model_args(topology: Topology) -> list[str | Arg]:
         args += ["--kv-pool-tokens", str(serving.kv_pool_tokens)]
     if not serving.overlap:
         args.append("--disable-overlap")
+    args.append("--deterministic" if serving.deterministic else "--no-deterministic")
     return args
 
 
@@ -87,6 +88,9 @@ class EmbeddedEngine(Engine):
         "--chunked-prefill-tokens": "serving.chunked_prefill_tokens",
         "--kv-pool-tokens": "serving.kv_pool_tokens",
         "--disable-overlap": "serving.overlap",
+        "--deterministic": "serving.deterministic",
+        "--no-deterministic": "serving.deterministic",
+        "--rank-devices": "roles.<role>.devices",
         "--transfer-backend": "transfer.backend",
         "--transport-ports": "(allocated at launch)",
         "--mooncake-protocol": "transfer.protocol",
@@ -128,6 +132,8 @@ class EmbeddedEngine(Engine):
         ]  # fmt: skip
         if "dist" in slots:
             args += ["--dist-port", Arg((slots["dist"].ref,))]
+        if server.shares_devices:  # ranks on one device: each rank's index in the mask
+            args += ["--rank-devices", ",".join(str(i) for i in server.local_devices)]
         args += model_args(topology)
         args += ["--transfer-backend", transfer.backend]
         if transfer.backend == "tcp":

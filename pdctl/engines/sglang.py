@@ -50,6 +50,7 @@ class SGLangEngine(Engine):
         "--disable-overlap-schedule": "serving.overlap",
         "--dtype": "model.dtype",
         "--random-seed": "model.seed",
+        "--enable-deterministic-inference": "serving.deterministic",
     }
 
     def port_slots(self, topology: Topology, server: ServerLayout) -> list[PortSlot]:
@@ -96,6 +97,8 @@ class SGLangEngine(Engine):
             args += ["--max-total-tokens", str(serving.kv_pool_tokens)]
         if not serving.overlap:
             args.append("--disable-overlap-schedule")
+        if serving.deterministic:
+            args.append("--enable-deterministic-inference")
         if topology.model.dtype != "auto":
             args += ["--dtype", topology.model.dtype]
         args += ["--random-seed", str(topology.model.seed)]

@@ -89,6 +89,7 @@ class LaunchPlan:
             "file": self.loaded.file,
             "engine": self.topology.engine,
             "device": self.topology.device,
+            "deterministic": self.topology.serving.deterministic,
             "router_url": self.router_url,
             "requirements": self.requirements.to_json(),
             "warnings": [issue.to_json() for issue in self.warnings],

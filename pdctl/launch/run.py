@@ -33,7 +33,7 @@ from pdctl.launch.loopback import confine, is_loopback
 from pdctl.launch.plan import LaunchPlan, ProcessPlan
 from pdctl.launch.ports import Allocation, allocate
 from pdctl.launch.processes import Spawned, spawn, start_time, stop_groups
-from pdctl.topology.resolve import RUN_ID_VAR, RUN_SECRET_VAR
+from pdctl.topology.resolve import FAULTS_VAR, RUN_ID_VAR, RUN_SECRET_VAR, faults_of
 
 STAGES = ("starting", "alive", "healthy", "ready")
 CANARY = {"text": "pdctl canary", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
@@ -422,6 +422,9 @@ class Run:
         plan = ProcessPlan("reference", "colocated", 0, (), tuple(slots), (), ())
         state = ProcessState(plan, f"http://{self.host}:{ports.ports['reference.http']}")
         env = {**self.parent_env, "PDCTL_LOG_DIR": str(self.dir), "PDCTL_PROCESS_NAME": "reference"}
+        faults = faults_of(self.plan.topology, "colocated")  # engine faults: the reference too
+        if faults:
+            env[FAULTS_VAR] = json.dumps(faults)
         confine(env, self.host)
         state.spawned = spawn(
             "reference", argv, env, self.dir / "reference-tp0.log", die_with_parent=not self.detach

@@ -47,6 +47,13 @@ class ServerArgs:
     encoder: tuple[str, ...] = field(default_factory=tuple)
     request_timeout: float = 120.0
     embedding_pool_mb: float = 16.0
+    deterministic: bool = True  # fixed-order kernels (ops.py); False: the vendor fast path
+    rank_devices: tuple[int, ...] = ()  # each rank's index in the device mask; () = its rank
+
+    @property
+    def shares_devices(self) -> bool:
+        """Ranks of this server on one device: TP collectives go through host memory."""
+        return len(set(self.rank_devices)) < len(self.rank_devices)
 
     @property
     def title_role(self) -> str:
@@ -76,6 +83,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-tokens", type=int, default=512)
     p.add_argument("--kv-pool-tokens", type=int)
     p.add_argument("--disable-overlap", action="store_true")
+    p.add_argument(
+        "--deterministic", action=argparse.BooleanOptionalAction, default=True,
+        help="fixed-order (batch-invariant) kernels; --no-deterministic: the vendor fast path",
+    )  # fmt: skip
+    p.add_argument("--rank-devices", default="", help="each rank's device index, e.g. 0,0")
     p.add_argument("--transfer-backend", default="tcp", choices=["tcp", "mooncake", "nixl"])
     p.add_argument("--transport-ports", default="")
     p.add_argument("--mooncake-protocol", default="tcp", choices=["tcp", "rdma"])
@@ -125,5 +137,18 @@ def parse(argv: list[str]) -> ServerArgs:
         connect_timeout=a.connect_timeout, bootstrap_timeout=a.bootstrap_timeout,
         transfer_timeout=a.transfer_timeout, prefill=tuple(prefill), decode=tuple(a.decode),
         encoder=tuple(a.encoder), request_timeout=a.request_timeout,
-        embedding_pool_mb=a.embedding_pool_mb,
+        embedding_pool_mb=a.embedding_pool_mb, deterministic=a.deterministic,
+        rank_devices=_rank_devices(p, a.rank_devices, a.tp),
     )  # fmt: skip
+
+
+def _rank_devices(p: argparse.ArgumentParser, text: str, tp: int) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        devices = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        p.error(f"--rank-devices takes comma-separated device indices, got {text!r}")
+    if len(devices) != tp or min(devices) < 0:
+        p.error(f"--rank-devices needs {tp} indices >= 0 (one per rank), got {text!r}")
+    return devices

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pdctl.serve import ops
 from pdctl.serve.engine import Engine
 from pdctl.serve.kv_pool import KVPool, ReqToToken
 from pdctl.serve.model import ModelRunner
@@ -28,6 +29,7 @@ from pdctl.serve.tokenizer import ByteTokenizer
 from pdctl.serve.weights import build_rank_weights, preset_config, preset_source
 
 DTYPES = {"cpu": torch.float32}
+THREADS = torch.get_num_threads()  # torch's own default, before any server setting
 
 
 def run_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int) -> dict[str, Any]:
@@ -66,11 +68,18 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--modes",
+        default="deterministic",
+        help="comma list of deterministic (fixed-order kernels, the servers' default) and "
+        "vendor (the fast path of serving.deterministic: false), run side by side",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"deterministic", "vendor"}:
+        parser.error(f"--modes takes deterministic and/or vendor, got {args.modes!r}")
     device = torch.device(args.device if args.device == "cpu" else f"{args.device}:0")
-    if device.type == "cpu":
-        torch.set_num_threads(1)
     dtype = DTYPES.get(device.type, torch.bfloat16)
     config = preset_config(args.preset)
     weights = build_rank_weights(config, preset_source(0), 1, 0, dtype, device)
@@ -84,16 +93,23 @@ def main() -> None:
         scheduler, ModelRunner(weights, kv, device).forward, ByteTokenizer(config.shape.vocab_size)
     )
     engine.start()
-    run_batch(engine, 1, 32, 4)  # warm-up
-    rows = [run_batch(engine, int(b), 32, args.new_tokens) for b in args.batches.split(",")]
+    rows = []
+    for mode in modes:
+        ops.set_deterministic(mode == "deterministic")
+        if device.type == "cpu":  # the servers' setting: one thread when deterministic
+            torch.set_num_threads(1 if mode == "deterministic" else THREADS)
+        run_batch(engine, 1, 32, 4)  # warm-up (and Triton's compile)
+        for batch in args.batches.split(","):
+            row = run_batch(engine, int(batch), 32, args.new_tokens)
+            rows.append({"mode": mode, "kernels": ops.kernel_mode(device.type), **row})
     engine.stop()
     report = {"preset": args.preset, "device": str(device), "dtype": str(dtype), "rows": rows}
     if args.json:
         print(json.dumps(report))
     else:
         for row in rows:
-            line = f"batch {row['batch']:>3}: {row['tokens_per_s']:>8} tokens/s"
-            print(f"{line}, {row['step_ms']} ms/step")
+            line = f"{row['mode']:>13} batch {row['batch']:>3}: {row['tokens_per_s']:>8} tokens/s"
+            print(f"{line}, {row['step_ms']} ms/step ({row['kernels']})")
 
 
 if __name__ == "__main__":

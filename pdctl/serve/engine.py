@@ -217,6 +217,8 @@ class Engine:
             row += 1
             if request.phase is Phase.DONE:  # aborted while the forward ran
                 continue
+            if was_prefill and faults():  # fault injection (perturb-prefix-hit); off by default
+                row_logits = faults().perturbed_logits(row_logits, request.cached_tokens)
             top = request.top_logprobs_num if request.return_logprob else 0
             picked = choose(row_logits, request.params, request.generator, top)
             if was_prefill and request.room is not None and self.hooks is not None:

@@ -5,8 +5,10 @@ Off unless the launcher sets PDCTL_FAULTS (a JSON list, from the topology's
 its role: prefill `corrupt-kv` (flip a byte of a room's KV after the digests were
 taken) and `delay-transfer` (hold a room past decode's timeout), decode
 `drop-scatter` (skip a room's first scatter), any role `kill-role` (SIGKILL itself
-when a request arrives after `after` were accepted). `every` picks every Nth room;
-the first `spare` rooms or requests (the launcher's canary) are never faulted.
+when a request arrives after `after` were accepted), and prefill and the colocated
+reference `perturb-prefix-hit` (another first token after every radix-cache hit).
+`every` picks every Nth room; the first `spare` rooms or requests (the launcher's
+canary) are never faulted.
 """
 
 from __future__ import annotations
@@ -58,6 +60,18 @@ class Faults:
             log.warning("injecting fault %s (occurrence %d)", name, count)
             return spec
         return None
+
+    def perturbed_logits(self, logits: Any, cached_tokens: int) -> Any:
+        """perturb-prefix-hit: a prompt computed on a radix-cache hit gets its two best
+        first-token logits swapped, as an engine that is not invariant to a prefix hit
+        would pick another token. Every server of the engine has it (the reference too)."""
+        if cached_tokens <= 0 or "perturb-prefix-hit" not in self.specs:
+            return logits
+        best, second = (int(i) for i in logits.topk(2).indices)
+        log.warning("injecting fault perturb-prefix-hit (%d cached tokens)", cached_tokens)
+        swapped = logits.clone()
+        swapped[best], swapped[second] = logits[second], logits[best]
+        return swapped
 
     def request_arrived(self) -> None:
         """kill-role: die (SIGKILL, like an OOM kill) on the first request past `after`."""

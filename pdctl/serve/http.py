@@ -175,6 +175,8 @@ def meta_info(ctx: ServerContext, outcome: Outcome, with_logprobs: bool) -> dict
         meta["output_top_logprobs"] = [
             [[lp, tok, None] for tok, lp in c.top] for c in outcome.choices
         ]
+        # pdctl's own: each chosen token's logit, so a margin can be read in ulps
+        meta["output_token_logits"] = [c.logit for c in outcome.choices]
     return meta
 
 

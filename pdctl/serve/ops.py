@@ -14,11 +14,13 @@ Why results could otherwise change with the batch (measured on this torch/MKL):
   cumulative sum: trailing zero blocks (keys a query may not see) add exact zeros.
 - On accelerators (CUDA, XPU) the vendor libraries pick kernels by shape, some
   splitting the reduction, and a row reduction's strategy depends on how many rows
-  there are. With PDCTL_TRITON_MATMUL=1 every product, row sum and attention product
-  goes through one fixed-configuration Triton kernel (`triton_ops.py`): each output
-  element is reduced in the same fixed order whatever the batch, chunking or TP
-  split. It stays opt-in until measured on a GPU (benchmarks/batch_invariance.py);
-  the default is the vendor libraries (faster, not proven invariant).
+  there are (measured on an H200: cuBLAS rounds a prefix-hit's suffix-only prefill
+  one bf16 step away from the full prompt's). In deterministic mode (the topology's
+  `serving.deterministic`, on by default; the server's `--deterministic`) every
+  product, row sum and attention product goes through one fixed-configuration
+  Triton kernel (`triton_ops.py`): each output element is reduced in the same fixed
+  order whatever the batch, chunking or TP split. `--no-deterministic` takes the
+  vendor libraries (faster, not invariant) and, on cpu, torch's thread pool.
 - Tensor parallelism: a row-parallel product is split into REDUCTION_CHUNKS fixed
   column ranges whatever the TP size; each rank computes its chunks, the partials
   are gathered and summed in chunk order, so TP 1, 2, 4 and 8 add the same numbers
@@ -30,7 +32,6 @@ Shapes are noted as [tokens, features]; "padded" means rounded up to TILE.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
@@ -40,16 +41,42 @@ KEY_BLOCK = 64
 REDUCTION_CHUNKS = 8
 
 
+_mode = {"deterministic": True}  # set once per process, by the server at start-up
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Fixed-order kernels (True, the default) or the vendor fast path, for this process."""
+    _mode["deterministic"] = enabled
+    _triton_available.cache_clear()
+
+
+def deterministic() -> bool:
+    return _mode["deterministic"]
+
+
 @functools.lru_cache(maxsize=8)
-def _invariant_kernels(device_type: str) -> bool:
-    """Whether products on this device type go through the fixed-order Triton kernel."""
-    if device_type not in ("cuda", "xpu") or os.environ.get("PDCTL_TRITON_MATMUL") != "1":
+def _triton_available(device_type: str) -> bool:
+    if device_type not in ("cuda", "xpu"):
         return False
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def kernel_mode(device_type: str) -> str:
+    """What this process's products run on, as the server reports it."""
+    if _invariant_kernels(device_type):
+        return "triton fixed-order"
+    if device_type == "cpu":
+        return "torch fixed-order, one thread" if _mode["deterministic"] else "torch, threads"
+    return "vendor libraries"
+
+
+def _invariant_kernels(device_type: str) -> bool:
+    """Whether products on this device type go through the fixed-order Triton kernel."""
+    return _mode["deterministic"] and _triton_available(device_type)
 
 
 def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

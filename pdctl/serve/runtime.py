@@ -102,6 +102,8 @@ def set_identity(args: ServerArgs) -> None:
 def device_for(args: ServerArgs) -> torch.device:
     if args.device == "cpu":
         return torch.device("cpu")
+    if args.rank_devices:  # ranks sharing a device: the mask lists each device once
+        return torch.device(args.device, args.rank_devices[args.tp_rank])
     return torch.device(args.device, args.tp_rank)  # visibility masks make ranks 0..tp-1
 
 
@@ -148,8 +150,16 @@ def load_model(
 def start_rank(args: ServerArgs, argv: list[str]) -> Rank:
     set_identity(args)
     device = device_for(args)
+    ops.set_deterministic(args.deterministic)
+    if args.deterministic and ops.kernel_mode(device.type) == "vendor libraries":
+        log.warning(
+            "deterministic serving asked for, but %s has no fixed-order kernels here (Triton "
+            "missing or unsupported): products use the vendor libraries, not batch-invariant",
+            device.type,
+        )
     if device.type == "cpu":
-        torch.set_num_threads(1)  # batch invariance: see ops.py
+        if args.deterministic:
+            torch.set_num_threads(1)  # batch invariance: see ops.py
     else:  # the main thread's device (NCCL, Triton); worker threads guard their own
         dev.get_device_module(device).set_device(device)
     children: list[subprocess.Popen[bytes]] = []
@@ -159,10 +169,13 @@ def start_rank(args: ServerArgs, argv: list[str]) -> Rank:
     if args.tp > 1:
         if args.dist_port is None:
             raise SystemExit("--dist-port is required when --tp > 1")
-        backend = DIST_BACKENDS.get(device.type, "gloo")
+        # ranks sharing a device cannot use its collective library (NCCL refuses two
+        # ranks on one GPU): gloo, with the partials gathered through host memory
+        backend = "gloo" if args.shares_devices else DIST_BACKENDS.get(device.type, "gloo")
         group = tensor_parallel.TPGroup(
-            args.tp_rank, args.tp, "127.0.0.1", args.dist_port, backend, 600
-        )
+            args.tp_rank, args.tp, "127.0.0.1", args.dist_port, backend, 600,
+            via_host=args.shares_devices and device.type != "cpu",
+        )  # fmt: skip
     config, tokenizer = load_config(args)
     model = None
     if args.role != "encoder":  # the encoder's ranks run the encoder model only

@@ -30,6 +30,7 @@ class TokenChoice:
     token: int
     logprob: float
     top: list[tuple[int, float]]
+    logit: float | None = None  # the chosen token's logit: its magnitude sets the ulp verify reads
 
 
 def generator_for(params: SamplingParams, rid: str) -> torch.Generator:
@@ -63,4 +64,4 @@ def choose(
     if top_n > 0:
         values, ids = torch.topk(logprobs, min(top_n, logprobs.numel()))
         top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
-    return TokenChoice(token, float(logprobs[token]), top)
+    return TokenChoice(token, float(logprobs[token]), top, float(logits[token]))

@@ -35,9 +35,18 @@ Handler = Callable[[torch.Tensor], None]
 
 class TPGroup:
     def __init__(
-        self, rank: int, world: int, host: str, port: int, backend: str, timeout_s: float
+        self,
+        rank: int,
+        world: int,
+        host: str,
+        port: int,
+        backend: str,
+        timeout_s: float,
+        *,
+        via_host: bool = False,  # gather device tensors through host memory (gloo)
     ) -> None:
         self.rank, self.world = rank, world
+        self.via_host = via_host
         timeout = timedelta(seconds=timeout_s)
         if rank == 0:
             # torch's TCPStore server binds every interface; hand it a socket bound to
@@ -57,9 +66,11 @@ class TPGroup:
         self.handlers: dict[int, Handler] = {}
 
     def gather(self, partials: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(partials) for _ in range(self.world)]
-        dist.all_gather(parts, partials.contiguous())
-        return torch.cat(parts)
+        local = partials.to("cpu") if self.via_host else partials.contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local)
+        gathered = torch.cat(parts)
+        return gathered.to(partials.device) if self.via_host else gathered
 
     def send(self, op: int, payload: torch.Tensor | None = None) -> None:
         """Rank 0: announce an operation and its payload to every rank."""

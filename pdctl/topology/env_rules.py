@@ -33,6 +33,8 @@ DERIVED_BY_PDCTL: dict[str, str] = {
     "SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB": "transfer.staging.segment_size_mb",
     "SGLANG_DISAGGREGATION_NIXL_BACKEND": "transfer.nixl_backend",
 }
+# Variables that earlier pdctl read, now topology keys.
+REPLACED_BY_KEYS: dict[str, str] = {"PDCTL_TRITON_MATMUL": "serving.deterministic"}
 BACKEND_PREFIXES = {"MC_": "mooncake", "MOONCAKE_": "mooncake", "NIXL_": "nixl", "UCX_": "nixl"}
 
 
@@ -86,7 +88,14 @@ def _variable_problems(
     topology: Topology, where: KeyPath, name: str, value: str
 ) -> Iterator[Issue]:
     path = (*where, name)
-    if name.startswith("PDCTL_"):
+    if name in REPLACED_BY_KEYS:
+        yield Issue(
+            path,
+            f"{name} is no longer read: {REPLACED_BY_KEYS[name]} says this now",
+            f"set {REPLACED_BY_KEYS[name]} (true: fixed-order kernels; false: the vendor "
+            "fast path)",
+        )
+    elif name.startswith("PDCTL_"):
         yield Issue(path, f"{name} is reserved for pdctl's own per-run values")
     visibility = DEVICE_VISIBILITY_VARS.get(topology.device)
     if name == visibility:

@@ -111,6 +111,12 @@ class RoleSpec(Strict):
         default_factory=list, description="Extra engine arguments appended to the command."
     )
     port: Port | None = Field(None, description="Fixed HTTP port; allocated at launch if unset.")
+    share_devices: bool = Field(
+        False,
+        description="Let ranks of this role share a device (devices may repeat, e.g. [0, 0]); "
+        "its TP collectives then go over gloo through host memory. For trying a TP layout on "
+        "fewer devices; embedded engine only.",
+    )
 
 
 class PrefillRole(RoleSpec):
@@ -243,6 +249,13 @@ class ServingSpec(Strict):
         None, ge=1, description="KV pool size in tokens per server; derived if unset."
     )
     overlap: bool = Field(True, description="Schedule the next batch while one runs.")
+    deterministic: bool = Field(
+        True,
+        description="Batch-invariant serving: the same tokens whatever the batch, chunking, "
+        "prefix hit or TP split (embedded: fixed-order kernels, Triton products on CUDA and "
+        "XPU, one thread on cpu; sglang: --enable-deterministic-inference). false: the vendor "
+        "fast path, and verify reports engine numerics without failing on them.",
+    )
 
 
 class RequiresSpec(Strict):
@@ -271,7 +284,14 @@ class VerifySpec(Strict):
     seed: int = Field(0, ge=0, description="Seed of the workload.")
 
 
-FAULT_NAMES = ("corrupt-kv", "drop-scatter", "delay-transfer", "kill-role", "corrupt-embedding")
+FAULT_NAMES = (
+    "corrupt-kv",
+    "drop-scatter",
+    "delay-transfer",
+    "kill-role",
+    "corrupt-embedding",
+    "perturb-prefix-hit",
+)
 
 
 def _fault_shorthand(value: Any) -> Any:
@@ -283,11 +303,19 @@ class FaultSpec(Strict):
     """A fault the servers inject on purpose, to prove `pdctl verify` catches it."""
 
     name: Literal[
-        "corrupt-kv", "drop-scatter", "delay-transfer", "kill-role", "corrupt-embedding"
+        "corrupt-kv",
+        "drop-scatter",
+        "delay-transfer",
+        "kill-role",
+        "corrupt-embedding",
+        "perturb-prefix-hit",
     ] = Field(
         description="corrupt-kv: flip KV bytes after prefill digested them; drop-scatter: "
         "decode skips a scatter; delay-transfer: prefill waits past the transfer timeout; "
-        "kill-role: a role dies after some requests; corrupt-embedding: encoder only."
+        "kill-role: a role dies after some requests; corrupt-embedding: encoder only; "
+        "perturb-prefix-hit: every server computing a prompt on a radix-cache hit picks its "
+        "second-best first token (an engine not invariant to a prefix hit: the colocated "
+        "reference has it too, so it is engine numerics, not PD)."
     )
     every: int = Field(1, ge=1, le=1_000_000, description="Every Nth transfer (1: all).")
     after: int = Field(

@@ -41,6 +41,17 @@ class ServerLayout:
     def device_of(self, rank: int) -> int | None:
         return self.devices[rank] if rank < len(self.devices) else None
 
+    @property
+    def shares_devices(self) -> bool:
+        return len(set(self.devices)) < len(self.devices)
+
+    @property
+    def local_devices(self) -> tuple[int, ...]:
+        """Each rank's index inside the process's device mask (which lists each device
+        once): 0..tp-1 normally, repeats where ranks share a device."""
+        order = list(dict.fromkeys(self.devices))
+        return tuple(order.index(index) for index in self.devices)
+
 
 @dataclass(frozen=True)
 class EnvEntry:
@@ -137,12 +148,15 @@ def merged_user_env(topology: Topology, role: str) -> dict[str, str]:
 
 
 FAULTS_VAR = "PDCTL_FAULTS"
-# fault -> the role that injects it (kill-role: the role it names)
-FAULT_ROLES = {
-    "corrupt-kv": "prefill",
-    "delay-transfer": "prefill",
-    "drop-scatter": "decode",
-    "corrupt-embedding": "encoder",
+# fault -> the roles that inject it (kill-role: the role it names). `colocated` is the
+# reference verify starts: an engine fault (perturb-prefix-hit) is in it too, as engine
+# behaviour would be, so that the control without transfer shows it as well.
+FAULT_ROLES: dict[str, tuple[str, ...]] = {
+    "corrupt-kv": ("prefill",),
+    "delay-transfer": ("prefill",),
+    "drop-scatter": ("decode",),
+    "corrupt-embedding": ("encoder",),
+    "perturb-prefix-hit": ("prefill", "colocated"),
 }
 
 
@@ -150,8 +164,8 @@ def faults_of(topology: Topology, role: str) -> list[dict[str, object]]:
     """The faults `role` must inject, as the JSON its servers read from PDCTL_FAULTS."""
     found = []
     for fault in topology.faults:
-        target = fault.role if fault.name == "kill-role" else FAULT_ROLES[fault.name]
-        if target == role:
+        targets = (fault.role,) if fault.name == "kill-role" else FAULT_ROLES[fault.name]
+        if role in targets:
             # spare: the launcher's canary, the first request through a new topology,
             # is never faulted (start-up must succeed for the checks to run at all)
             found.append({**fault.model_dump(exclude_none=True), "spare": 1})
@@ -170,7 +184,8 @@ def base_env(topology: Topology, role: str, devices: tuple[int, ...]) -> list[En
             merged[name] = EnvEntry(name, value, source, overrides=below.source if below else None)
     visibility = DEVICE_VISIBILITY_VARS.get(topology.device)
     if visibility and devices:
-        value = ",".join(str(index) for index in devices)
+        # ranks sharing a device (roles.<role>.share_devices) see it once
+        value = ",".join(str(index) for index in dict.fromkeys(devices))
         merged[visibility] = EnvEntry(visibility, value, f"roles.{role}.devices")
     merged[RUN_ID_VAR] = EnvEntry(RUN_ID_VAR, "<per run>", "pdctl")
     merged[RUN_SECRET_VAR] = EnvEntry(RUN_SECRET_VAR, "", "pdctl", secret=True)

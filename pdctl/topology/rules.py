@@ -121,10 +121,12 @@ def check_devices(topology: Topology, context: RuleContext) -> Iterator[Issue]:
             )
         seen: set[int] = set()
         for position, index in enumerate(spec.devices):
-            if index in seen:
+            if index in seen and not spec.share_devices:
                 yield Issue(
                     (*where, position),
                     f"device {index} is listed twice; each rank of {role} needs its own device",
+                    f"to run several ranks on one device on purpose, set "
+                    f"roles.{role}.share_devices: true",
                 )
             seen.add(index)
             if explicit_count is not None and index >= explicit_count:
@@ -133,6 +135,7 @@ def check_devices(topology: Topology, context: RuleContext) -> Iterator[Issue]:
                     f"device {index} does not exist when requires.device_count is "
                     f"{explicit_count} (indices 0..{explicit_count - 1})",
                 )
+    yield from _shared_device_issues(topology)
     if topology.device == "cpu" or explicit_count is None:
         return
     assigned = assign_devices(topology)
@@ -150,6 +153,30 @@ def check_devices(topology: Topology, context: RuleContext) -> Iterator[Issue]:
             f"device_count is {explicit_count}",
             "raise device_count, or set roles.<role>.devices so that roles share devices",
         )
+
+
+def _shared_device_issues(topology: Topology) -> Iterator[Issue]:
+    for role, spec in topology.roles.items():
+        if not spec.share_devices:
+            continue
+        where = ("roles", role, "share_devices")
+        if topology.engine != "embedded":
+            yield Issue(
+                where,
+                f"{topology.engine} runs one rank per device (its collectives need it)",
+                "remove share_devices, or use engine: embedded",
+            )
+        elif topology.device == "cpu":
+            yield Issue(
+                where, "has no effect on cpu: every rank runs on the CPU", severity="warning"
+            )
+        elif spec.devices is None or len(set(spec.devices)) == len(spec.devices):
+            yield Issue(
+                where,
+                f"no device of {role} is shared: list a device more than once in "
+                f"roles.{role}.devices (e.g. [0, 0])",
+                severity="warning",
+            )
 
 
 def check_ports(topology: Topology, context: RuleContext) -> Iterator[Issue]:

@@ -20,6 +20,7 @@ class Result:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)  # per position, best first
+    logits: list[float | None] = field(default_factory=list)  # per position, the chosen token's
     cached_tokens: int = 0
     kv_transfer: dict[str, Any] | None = None
     embedding_transfer: dict[str, Any] | None = None  # EPD: what the encoder wrote to prefill
@@ -93,21 +94,85 @@ def generate(
             error=_error_text(response),
             status=response.status_code,
         )
-    body = response.json()
-    meta = body.get("meta_info", {})
+    return _answer(prompt, response, latency, max_new_tokens)
+
+
+def _answer(prompt: Prompt, response: httpx.Response, latency: float, wanted: int) -> Result:
+    """A 200 answer read into a Result; one without output tokens fails its request."""
+    try:
+        body = response.json()
+    except ValueError:
+        return Result(prompt, False, latency_ms=latency, status=200,
+                      error=f"the answer is not JSON: {response.text[:200]!r}")  # fmt: skip
+    meta = body.get("meta_info", {}) if isinstance(body, dict) else {}
+    output_ids = list(body.get("output_ids") or []) if isinstance(body, dict) else []
+    if not output_ids and wanted > 0:
+        return Result(
+            prompt,
+            False,
+            latency_ms=latency,
+            status=200,
+            kv_transfer=meta.get("kv_transfer"),
+            error=f"the answer carried no output tokens ({wanted} asked for; finish reason "
+            f"{meta.get('finish_reason')})",
+        )
     token_lps = meta.get("output_token_logprobs") or []
     tops = meta.get("output_top_logprobs") or []
+    logits = meta.get("output_token_logits") or []
     return Result(
         prompt,
         True,
-        output_ids=list(body.get("output_ids", [])),
+        output_ids=output_ids,
         logprobs=[float(entry[0]) for entry in token_lps],
         top=[[(int(e[1]), float(e[0])) for e in position or []] for position in tops],
+        logits=[None if v is None else float(v) for v in logits],
         cached_tokens=int(meta.get("cached_tokens", 0) or 0),
         kv_transfer=meta.get("kv_transfer"),
         embedding_transfer=meta.get("embedding_transfer"),
         latency_ms=latency,
         status=200,
+    )
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the servers say of what they serve (None where none said)."""
+
+    vocab_size: int | None = None  # the smallest any server reported
+    max_context: int | None = None  # likewise: the longest prompt plus answer it takes
+    dtype: str | None = None  # the compute dtype, when every server that said agrees
+    deterministic: bool | None = None  # True only when every server that said is
+
+
+def _get(client: httpx.Client, url: str) -> dict[str, Any]:
+    try:
+        body = client.get(url, timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def served_model(client: httpx.Client, urls: list[str]) -> ServedModel:
+    """Ask each server (`/get_model_info`, `/get_server_info`) about its model."""
+    sizes: dict[str, list[int]] = {"vocab_size": [], "max_context": []}
+    dtypes: set[str] = set()
+    modes: set[bool] = set()
+    for url in urls:
+        model = _get(client, f"{url}/get_model_info")
+        for key, found in sizes.items():
+            value = model.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found.append(value)
+        info = _get(client, f"{url}/get_server_info")
+        if isinstance(info.get("dtype"), str) and info["dtype"] != "auto":
+            dtypes.add(info["dtype"])
+        if isinstance(info.get("deterministic"), bool):
+            modes.add(info["deterministic"])
+    return ServedModel(
+        min(sizes["vocab_size"], default=None),
+        min(sizes["max_context"], default=None),
+        dtypes.pop() if len(dtypes) == 1 else None,
+        (modes == {True}) if modes else None,
     )
 
 

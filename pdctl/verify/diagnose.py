@@ -2,11 +2,15 @@
 
 Token ids are compared, never text. A mismatch is diagnosed at its first divergent
 position with the tokens around it and both runs' top-5 logprobs there:
-- **near-tie**: the baseline's two best candidates were closer than the margin
-  threshold, so numerical noise may pick either (only an engine that is not
-  batch-invariant can show this; the embedded engine never should);
-- **divergence**: a clear margin, so the model saw different inputs: the KV or
-  its transfer is wrong;
+- **near-tie**: the two best candidates were closer than the margin threshold, so
+  numerical noise may pick either. The threshold is read in the compute dtype: a
+  few units in the last place of bf16 or fp16 at the logit's magnitude are
+  numerics, whatever `--near-tie-margin` says;
+- **unconfirmed**: a clear margin, not (yet) reproduced without KV transfer. The
+  control before blame (`control.py`) turns it into **engine-numerics** (the
+  colocated engine, moving no KV, diverges too in the same cache state) or
+  **divergence** (it does not: the KV or its transfer is wrong); it stays
+  unconfirmed only when no control could run, and blames nothing then;
 - **nondeterministic**: the same serial run, repeated, differs: the engine, not PD;
 - **kv-corruption**: a digest of the KV differs between prefill and decode (named
   layer, decode rank);
@@ -18,6 +22,7 @@ position with the tokens around it and both runs' top-5 logprobs there:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +39,9 @@ EMBEDDING_CORRUPTION = re.compile(
     r"prefill received (?P<received>0x[0-9a-f]+)"
 )
 ROLES = ("prefill", "decode", "router", "encoder")
+NUMERIC_ULPS = 4  # a margin within this many units in the last place is numerics
+MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23}
+NUMERICS = ("near-tie", "engine-numerics")  # fail only where deterministic serving was asked
 
 
 @dataclass
@@ -121,10 +129,35 @@ def _margin(result: Result, position: int) -> float | None:
     return None
 
 
+def ulp(value: float, dtype: str | None) -> float | None:
+    """One unit in the last place of `dtype` at |value| (None: dtype or value unknown)."""
+    bits = MANTISSA_BITS.get(dtype or "")
+    if bits is None or not math.isfinite(value) or value == 0:
+        return None
+    return 2.0 ** (math.floor(math.log2(abs(value))) - bits)
+
+
+def tie_threshold(flat: float, dtype: str | None, results: list[Result], position: int) -> float:
+    """The near-tie margin at `position`: the flat one, or NUMERIC_ULPS units in the last
+    place of the compute dtype at the largest logit either run chose there."""
+    logits = [
+        abs(v)
+        for r in results
+        if position < len(r.logits) and (v := r.logits[position]) is not None
+    ]
+    unit = ulp(max(logits), dtype) if logits else None
+    return max(flat, NUMERIC_ULPS * unit) if unit is not None else flat
+
+
 def compare(
-    pass_name: str, baseline: Result, other: Result, near_tie: float, repeat: bool = False
+    pass_name: str,
+    baseline: Result,
+    other: Result,
+    near_tie: float,
+    repeat: bool = False,
+    dtype: str | None = None,
 ) -> Finding | None:
-    """None when `other` has the baseline's tokens, else the diagnosis."""
+    """None when `other` has the baseline's tokens, else the diagnosis before any control."""
     a, b = baseline.output_ids, other.output_ids
     if a == b:
         return None
@@ -133,22 +166,27 @@ def compare(
         position = min(len(a), len(b))
     margins = [m for m in (_margin(baseline, position), _margin(other, position)) if m is not None]
     margin = min(margins) if margins else None
+    threshold = tie_threshold(near_tie, dtype, [baseline, other], position)
     if repeat:
         classification = "nondeterministic"
-    elif margin is not None and margin < near_tie:
+    elif margin is not None and margin < threshold:
         classification = "near-tie"
     else:
-        classification = "divergence"
+        classification = "unconfirmed"
     lo, hi = max(0, position - CONTEXT), position + CONTEXT + 1
     expected = a[position] if position < len(a) else None
     got = b[position] if position < len(b) else None
-    what = {
-        "nondeterministic": "the engine is not deterministic (a serial run repeated differs)",
-        "near-tie": f"near-tie (margin {margin:.4g} < {near_tie:g}): numerical noise, not PD",
-        "divergence": "divergence with a clear margin"
-        + (f" ({margin:.4g})" if margin is not None else "")
-        + ": the KV or its transfer is wrong",
-    }[classification]
+    if classification == "nondeterministic":
+        what = "the engine is not deterministic (a serial run repeated differs)"
+    elif classification == "near-tie":
+        what = f"near-tie (margin {margin:.4g} < {threshold:.4g}): numerical noise, not PD"
+    else:
+        clear = (
+            f"with a clear margin ({margin:.4g} >= {threshold:.4g})"
+            if margin is not None
+            else "(the answers carry no logprobs to read a margin from)"
+        )
+        what = f"divergence {clear}, not reproduced without KV transfer"
     return Finding(
         pass_name,
         other.prompt.id,
@@ -162,9 +200,18 @@ def compare(
             "baseline_top5": _top(baseline, position),
             "run_top5": _top(other, position),
             "margin": None if margin is None else round(margin, 6),
-            "near_tie_threshold": near_tie,
+            "near_tie_threshold": round(threshold, 6),
+            "compute_dtype": dtype,
+            "baseline_cached_tokens": baseline.cached_tokens,
+            "run_cached_tokens": other.cached_tokens,
         },
     )
+
+
+def blocks(finding: Finding, deterministic: bool) -> bool:
+    """Numerics (near-ties, engine numerics) fail only where deterministic serving was
+    asked for, since that mode promises them away; every other finding fails."""
+    return finding.classification not in NUMERICS or deterministic
 
 
 def digest_problems(pass_name: str, result: Result) -> Finding | None:

@@ -5,7 +5,8 @@ checked against this machine (devices and their free memory, modules, capabiliti
 from `pdctl doctor`). What cannot run is skipped with the precise reason; the rest
 is verified (launch, passes, teardown) in turn. One JUnit file (a testsuite per
 topology) and one JSON summary come out. The nightly fails only on a real failure:
-a finding, a launch that failed, or an invalid topology file.
+a finding, a launch that failed, or an invalid topology file; a selection with no
+topology at all is a usage error (exit 2), never a pass.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def run_nightly(
     overrides: session.Options | None = None,
 ) -> list[Outcome]:
     outcomes: list[Outcome] = []
+    found: set[str] = set()  # every suite tag seen, for the hint of an empty selection
     for file in collect(paths):
         try:
             loaded = load_checked(file)
@@ -87,6 +89,7 @@ def run_nightly(
                 break
             continue
         topology = loaded.topology
+        found.update(topology.suites)
         if suite is not None and suite not in topology.suites:
             continue
         problems = unmet(make_plan(loaded).requirements)
@@ -108,23 +111,10 @@ def run_nightly(
         started = time.perf_counter()
         try:
             report = session.verify(options, lambda message: progress(f"  {message}"))
-            outcome = Outcome(file, topology.name, report.verdict, None, report=report)
-            if report.verdict == "fail":
-                outcome.reason = f"{len(report.blocking)} finding(s): " + ", ".join(
-                    sorted({f.classification for f in report.blocking})
-                )
-        except RequirementsUnmet as exc:
-            outcome = Outcome(
-                file, topology.name, "skipped", exc.message, report=session.last_report()
-            )
-        except PdctlError as exc:
-            outcome = Outcome(
-                file,
-                topology.name,
-                "error",
-                exc.message.splitlines()[0],
-                report=session.last_report(),
-            )
+        except PdctlError as exc:  # bad input met only now (an --inject'ed fault, say)
+            report = _skipped_report(topology.name, str(file), exc.message.splitlines()[0])
+            report.verdict, report.error = "error", exc
+        outcome = _outcome(file, topology.name, report)
         outcome.seconds = time.perf_counter() - started
         outcomes.append(outcome)
         progress(
@@ -133,7 +123,27 @@ def run_nightly(
         )
         if fail_fast and outcome.failed:
             break
+    if not outcomes:  # nothing passes by absence
+        where = ", ".join(str(p) for p in paths)
+        raise UsageError(
+            f"no topology in {where} " + (f"is tagged {suite!r}" if suite else "was found"),
+            hint=f"suites found: {', '.join(sorted(found))}"
+            if found
+            else "give a folder or files of topologies (*.yaml)",
+        )
     return outcomes
+
+
+def _outcome(file: Path, name: str, report: Report) -> Outcome:
+    if isinstance(report.error, RequirementsUnmet):
+        return Outcome(file, name, "skipped", report.error.message, report=report)
+    if report.error is not None:
+        return Outcome(file, name, "error", report.error.message.splitlines()[0], report=report)
+    outcome = Outcome(file, name, report.verdict, None, report=report)
+    if report.verdict == "fail":
+        kinds = ", ".join(sorted({f.classification for f in report.blocking}))
+        outcome.reason = f"{len(report.blocking)} finding(s): {kinds}"
+    return outcome
 
 
 def _skipped_report(name: str, file: str, reason: str) -> Report:

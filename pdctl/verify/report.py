@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from pdctl import __version__
+from pdctl.errors import PdctlError
 from pdctl.verify.diagnose import Finding
-from pdctl.verify.runner import PASSES, PassResult
+from pdctl.verify.passes import PASS_NAMES, PassResult
 
 SCHEMA_VERSION = 1
 DISTRIBUTIONS = (
@@ -54,6 +55,7 @@ class Report:
     phases: dict[str, float] = field(default_factory=dict)
     reason: str | None = None  # error or skip reason
     started_at: float = 0.0
+    error: PdctlError | None = None  # what ended an error or skipped verify (not written)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -82,54 +84,74 @@ class Report:
         """A testsuite per verify run; a testcase per pass, plus the KV-digest scenario."""
         name = self.target.get("topology") or self.target.get("router_url") or "target"
         suite = ET.Element("testsuite", name=f"pdctl verify {name}")
-        cases = 0
-        failures = skipped = errors = 0
+        counts = {"failure": 0, "skipped": 0, "error": 0}
         ran = {p.name: p for p in self.passes}
-        for pass_name in (*PASSES, "kv-digests"):
+        for pass_name in (*PASS_NAMES, "kv-digests"):
             case = ET.SubElement(
                 suite, "testcase", classname=f"pdctl.verify.{name}", name=pass_name
             )
-            cases += 1
             current = ran.get(pass_name)
             if current is not None:
                 case.set("time", f"{current.wall_s:.3f}")
-            mine = [
-                f
-                for f in self.findings
-                if (f.pass_name == pass_name and f.classification != "kv-corruption")
-                or (pass_name == "kv-digests" and f.classification == "kv-corruption")
-            ]
-            if self.verdict in ("error", "skipped") and not self.passes:
-                tag = "skipped" if self.verdict == "skipped" else "error"
-                element = ET.SubElement(case, tag, message=self.reason or self.verdict)
-                skipped += tag == "skipped"
-                errors += tag == "error"
-                continue
-            if pass_name != "kv-digests" and (current is None or current.skipped):
-                reason = current.skipped if current else "not run (an earlier failure stopped it)"
-                ET.SubElement(case, "skipped", message=reason or "not run")
-                skipped += 1
-                continue
-            failing = [f for f in mine if f in self.blocking]
-            if failing:
-                element = ET.SubElement(
-                    case,
-                    "failure",
-                    message=f"{len(failing)} finding(s) "
-                    f"({', '.join(sorted({f.classification for f in failing}))}): "
-                    f"{failing[0].message}",
-                    type=failing[0].classification,
-                )
-                element.text = "\n\n".join(json.dumps(f.to_json(), indent=2) for f in failing)
-                failures += 1
-            elif mine:  # near-ties of a non-invariant engine: reported, not failed
+            outcome = self._case_outcome(pass_name, current)
+            if outcome is not None:
+                tag, message, kind, text = outcome
+                element = ET.SubElement(case, tag, message=message)
+                if kind:
+                    element.set("type", kind)
+                if text:
+                    element.text = text
+                counts[tag] += tag in counts
+            mine = self._findings_of(pass_name)
+            if outcome is None and mine:  # numerics of a non-deterministic engine: reported
                 ET.SubElement(case, "system-out").text = "\n".join(f.message for f in mine)
-        suite.set("tests", str(cases))
-        suite.set("failures", str(failures))
-        suite.set("errors", str(errors))
-        suite.set("skipped", str(skipped))
+        suite.set("tests", str(len(PASS_NAMES) + 1))
+        suite.set("failures", str(counts["failure"]))
+        suite.set("errors", str(counts["error"]))
+        suite.set("skipped", str(counts["skipped"]))
         suite.set("time", f"{self.phases.get('total_s', 0.0):.3f}")
         return suite
+
+    def _findings_of(self, pass_name: str) -> list[Finding]:
+        if pass_name == "kv-digests":
+            return [f for f in self.findings if f.classification == "kv-corruption"]
+        return [
+            f
+            for f in self.findings
+            if f.pass_name == pass_name and f.classification != "kv-corruption"
+        ]
+
+    def _case_outcome(
+        self, pass_name: str, current: PassResult | None
+    ) -> tuple[str, str, str, str] | None:
+        """(tag, message, type, text) of a case that did not pass, None for one that did."""
+        if self.verdict in ("error", "skipped") and not self.passes:
+            tag = "skipped" if self.verdict == "skipped" else "error"
+            return tag, self.reason or self.verdict, "", ""
+        failing = [f for f in self._findings_of(pass_name) if f in self.blocking]
+        if failing:
+            kinds = ", ".join(sorted({f.classification for f in failing}))
+            text = "\n\n".join(json.dumps(f.to_json(), indent=2) for f in failing)
+            message = f"{len(failing)} finding(s) ({kinds}): {failing[0].message}"
+            return "failure", message, failing[0].classification, text
+        if pass_name == "kv-digests":
+            checked = self.digests_checked()
+            if not checked:  # nothing passes by absence
+                return "skipped", "the servers reported no KV digests (nothing checked)", "", ""
+            return None
+        if current is None or current.skipped:
+            reason = current.skipped if current else "not run (an earlier failure stopped it)"
+            return "skipped", reason or "not run", "", ""
+        return None
+
+    def digests_checked(self) -> int:
+        """How many answers carried a KV digest verdict (digest_ok true or false)."""
+        return sum(
+            1
+            for run in self.passes
+            for r in run.results
+            if isinstance(r.kv_transfer, dict) and isinstance(r.kv_transfer.get("digest_ok"), bool)
+        )
 
     def write_junit(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ def test_sglang_staging_prefill_command() -> None:
         "--disaggregation-transfer-backend mooncake "
         "--disaggregation-bootstrap-port '<prefill-0.bootstrap>' --tp-size 1 --base-gpu-id 0 "
         "--device xpu --nccl-port '<prefill-0.nccl>' --page-size 16 --max-running-requests 32 "
-        "--chunked-prefill-size 512 --random-seed 0"
+        "--chunked-prefill-size 512 --enable-deterministic-inference --random-seed 0"
     )
 
 
@@ -45,7 +45,8 @@ def test_sglang_staging_decode_command_and_env() -> None:
         "--host 127.0.0.1 --port '<decode-0.http>' --disaggregation-mode decode "
         "--disaggregation-transfer-backend mooncake --tp-size 2 --base-gpu-id 0 --device xpu "
         "--nccl-port '<decode-0.nccl>' --dist-init-addr '127.0.0.1:<decode-0.dist>' "
-        "--page-size 16 --max-running-requests 32 --chunked-prefill-size 512 --random-seed 0"
+        "--page-size 16 --max-running-requests 32 --chunked-prefill-size 512 "
+        "--enable-deterministic-inference --random-seed 0"
     )
     env = process(plan, "decode-0").env_values()
     assert env["ZE_AFFINITY_MASK"] == "1,2"
@@ -90,7 +91,8 @@ def test_embedded_decode_command() -> None:
         "python -m pdctl.serve --role decode --topology-name cpu-p1d2-tcp --replica 0 "
         "--host 127.0.0.1 --port '<decode-0.http>' --tp 2 --dist-port '<decode-0.dist>' "
         "--device cpu --model-preset tiny --dtype float32 --seed 0 --page-size 16 "
-        "--max-running-requests 32 --chunked-prefill-tokens 512 --transfer-backend tcp "
+        "--max-running-requests 32 --chunked-prefill-tokens 512 --deterministic "
+        "--transfer-backend tcp "
         "--transport-ports '<decode-0.transport.tp0>,<decode-0.transport.tp1>' --staging "
         "--staging-pool-mb 2 --staging-segment-mb 0.5 --connect-timeout 10 "
         "--bootstrap-timeout 30 --transfer-timeout 30"

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from pdctl.engines.base import render_command
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.topology import TopologyError
 from pdctl.topology.resolve import assign_devices, requirements
-from tests.conftest import REMOVE
+from tests.conftest import REMOVE, deep_merge
 
 
 def messages(path: Path) -> list[str]:
@@ -97,6 +98,28 @@ def test_explicit_devices_may_be_shared_between_roles(make_topology) -> None:
     decode = next(p for p in plan.processes if p.role == "decode")
     assert decode.env_values()["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert [r.device for r in decode.ranks] == [0, 1]
+
+
+def test_ranks_share_a_device_only_when_the_topology_says_so(make_topology) -> None:
+    one_gpu = {"prefill": {"tp": 1, "devices": [0]}, "decode": {"tp": 2, "devices": [0, 0]}}
+    refused = messages(make_topology(device="cuda", roles=one_gpu))
+    assert refused == [
+        "roles.decode.devices[1]: device 0 is listed twice; each rank of decode needs its own "
+        "device"
+    ]
+    shared = deep_merge(one_gpu, {"decode": {"share_devices": True}})
+    plan = make_plan(load_checked(make_topology(device="cuda", roles=shared)))
+    decode = next(p for p in plan.processes if p.role == "decode")
+    assert decode.env_values()["CUDA_VISIBLE_DEVICES"] == "0"  # the mask lists it once
+    assert [r.device for r in decode.ranks] == [0, 0]
+    argv = render_command(decode.command)
+    assert argv[argv.index("--rank-devices") + 1] == "0,0"
+    prefill = next(p for p in plan.processes if p.role == "prefill")
+    assert "--rank-devices" not in render_command(prefill.command)
+    sglang = make_topology(device="cuda", engine="sglang", roles=shared,
+                           model={"path": "org/model", "preset": REMOVE},
+                           transfer={"backend": "mooncake"})  # fmt: skip
+    assert any("share_devices: sglang runs one rank per device" in m for m in messages(sglang))
 
 
 def test_derived_devices_skip_indices_taken_explicitly(make_topology) -> None:

@@ -153,3 +153,34 @@ def _cuda_devices() -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+def test_an_empty_selection_is_a_usage_error_naming_the_suites(
+    make_topology: Callable[..., Path], tmp_path: Path
+) -> None:
+    night = tmp_path / "suite"
+    night.mkdir()
+    make_topology("a", name="e-a", suites=["green", "cpu"]).rename(night / "a.yaml")
+    result = nightly(tmp_path, str(night), "--suite", "gpu-7")
+    assert result.returncode == 2, result.stderr
+    assert f"no topology in {night} is tagged 'gpu-7'" in result.stderr
+    assert "hint: suites found: cpu, green" in result.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    nothing = nightly(tmp_path, str(empty))
+    assert nothing.returncode == 2 and "was found" in nothing.stderr
+    assert "Traceback" not in result.stderr + nothing.stderr
+
+
+def test_the_gpu_1_suite_skips_here_naming_the_gpu_it_needs(tmp_path: Path) -> None:
+    if _cuda_devices() >= 1:
+        pytest.skip("this machine has a CUDA device: the gpu-1 suite would run")
+    out = tmp_path / "night.json"
+    result = nightly(tmp_path, str(REPO / "topologies"), "--suite", "gpu-1", "--json", str(out))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    entries = json.loads(out.read_text())["topologies"]
+    backends = {entry["name"].removeprefix("cuda-1gpu-") for entry in entries}
+    assert backends == {"p1d1-tcp", "p1d1-mooncake", "p1d1-nixl", "p1d2-tcp-staging"}
+    for entry in entries:
+        assert entry["verdict"] == "skipped"
+        assert entry["reason"].startswith("needs 1 cuda device(s), this machine has 0")

@@ -175,3 +175,62 @@ def test_an_unrunnable_topology_is_skipped_in_the_reports(
     assert report["verdict"] == "skipped" and "cuda device" in report["reason"]
     suite = next(iter(JUnitXml.fromfile(str(junit))))
     assert all(isinstance(c.result[0], Skipped) for c in suite)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_engine_numerics_are_never_blamed_on_the_kv_path(
+    env: dict[str, str], make_topology: Callable[..., Path], tmp_path: Path,
+    deterministic: bool,
+) -> None:  # fmt: skip
+    """An engine that is not invariant to a prefix hit (every server of it, the colocated
+    reference too) diverges in the prefix-hit pass with matching digests. The control
+    reproduces it without KV transfer: engine-numerics, failing only when the topology
+    asked for deterministic serving."""
+    path = make_topology(serving={"deterministic": deterministic})
+    out, junit = tmp_path / "verify.json", tmp_path / "verify.xml"
+    result = verify(env, str(path), "--inject", "perturb-prefix-hit", *QUICK,
+                    "--json", str(out), "--junit", str(junit))  # fmt: skip
+    report = report_of(out)
+    assert result.returncode == (1 if deterministic else 0), (result.stderr, report["findings"])
+    findings = report["findings"]
+    assert findings and {f["classification"] for f in findings} == {"engine-numerics"}
+    assert any(f["pass"] == "prefix-hit" for f in findings)
+    for finding in findings:
+        control = finding["evidence"]["control"]
+        assert control["ran"] and control["output_ids"] != control["baseline_state_output_ids"]
+        assert finding["blocking"] is deterministic and "not PD" in finding["message"]
+    assert report["settings"]["deterministic"] is deterministic
+    every_digest = [r["kv_transfer"]["digest_ok"] for p in report["passes"] for r in p["requests"]
+                    if r["kv_transfer"]]  # fmt: skip
+    assert every_digest and all(every_digest)
+    assert "control (no KV transfer) from 0" in result.stdout
+    cases = {case.name: case for case in next(iter(JUnitXml.fromfile(str(junit))))}
+    if deterministic:
+        assert cases["prefix-hit"].result[0].type == "engine-numerics"
+    else:
+        assert cases["prefix-hit"].is_passed and "engine numerics" in cases["prefix-hit"].system_out
+
+
+def test_a_server_without_digests_or_a_big_vocabulary_passes_nothing_by_absence(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A colocated server of a 272-token checkpoint: the workload asks it for its
+    vocabulary and context (every request answered), and the JUnit digest case is
+    skipped, not passed, since no answer carries a KV digest."""
+    from tests.serve.checkpoints import write_checkpoint
+    from tests.serve.conftest import start_server
+
+    server = start_server("--model-path", str(write_checkpoint(tmp_path, "llama")))
+    try:
+        out, junit = tmp_path / "verify.json", tmp_path / "verify.xml"
+        result = verify(env, "--url", server.url, *QUICK, "--json", str(out), "--junit",
+                        str(junit))  # fmt: skip
+        report = report_of(out)
+        assert result.returncode == 0, (result.stderr, report["findings"])
+        assert report["workload"]["vocab_size"] == 272
+        assert all(r["ok"] for p in report["passes"] for r in p["requests"])
+        cases = {case.name: case for case in next(iter(JUnitXml.fromfile(str(junit))))}
+        (skipped,) = cases["kv-digests"].result
+        assert isinstance(skipped, Skipped) and "no KV digests" in skipped.message
+    finally:
+        server.stop()

@@ -14,6 +14,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from pdctl.serve import ops
 from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.engine import Engine, PDHooks
 from pdctl.serve.http import ServerContext
@@ -50,6 +51,8 @@ def server_info(rank: Rank) -> dict[str, Any]:
         "max_running_requests": args.max_running_requests,
         "chunked_prefill_tokens": args.chunked_prefill_tokens,
         "overlap": args.overlap,
+        "deterministic": args.deterministic,
+        "kernels": ops.kernel_mode(rank.device.type),
         "pid": os.getpid(),
     }
 

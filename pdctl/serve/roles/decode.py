@@ -165,8 +165,12 @@ class DecodeHooks:
         except PeerCallError as exc:
             self.engine.transferred(entry["rid"], f"decode: {exc}", info)
             return
+        logit = result.get("logit")
         info["first"] = TokenChoice(
-            int(result["token"]), float(result["logprob"]), [tuple(x) for x in result["top"]]
+            int(result["token"]),
+            float(result["logprob"]),
+            [tuple(x) for x in result["top"]],
+            None if logit is None else float(logit),
         )
         info["cached_tokens"] = int(result.get("cached_tokens", 0))
         self.engine.transferred(entry["rid"], None, info)

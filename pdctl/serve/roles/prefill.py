@@ -120,6 +120,7 @@ class PrefillHooks:
                 "token": choice.token,
                 "logprob": choice.logprob,
                 "top": choice.top,
+                "logit": choice.logit,
                 "cached_tokens": request.cached_tokens,
             },
         )

@@ -1,0 +1,182 @@
+"""Where verify sends its requests, and what it ends afterwards.
+
+Three targets: a topology pdctl launches (`launched`), a run `pdctl up` started
+(`running`) and any router URL that speaks the same API (`url`). Each knows its
+router and workers (to flush their caches and ask what they serve), how to tell
+that a role died, and how to start a colocated reference server of the
+topology's model on demand: the reference pass and the control before blame
+both use it. A target ends what it started itself in `close` (the launched run,
+a reference server) and nothing else: a run of `pdctl up` is never stopped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from pdctl.errors import LaunchError, UsageError
+from pdctl.launch import state
+from pdctl.launch.plan import LaunchPlan, load_checked, make_plan
+from pdctl.launch.run import Run
+from pdctl.topology.issues import TopologyError
+
+
+class NoReference(Exception):
+    """No reference server can be started for this target (the reason says why)."""
+
+
+class Target:
+    """A PD router and its workers; subclasses say how they came up and how to end them."""
+
+    mode = "url"
+
+    def __init__(
+        self, router_url: str, prefill: list[str], decode: list[str], plan: LaunchPlan | None
+    ) -> None:
+        self.router_url = router_url
+        self.prefill_urls = prefill
+        self.decode_urls = decode
+        self._plan = plan  # what a reference server is started from (None: nothing)
+        self._reference_run: Run | None = None
+        self._reference_url: str | None = None
+
+    @property
+    def workers(self) -> list[str]:
+        return self.prefill_urls + self.decode_urls
+
+    def check_alive(self) -> None:
+        """Raise LaunchError naming a role that is not running any more."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"mode": self.mode, "router_url": self.router_url}
+
+    def reference(self) -> str:
+        """The URL of a colocated server of the same model (started once, on first use)."""
+        if self._reference_url is None:
+            if self._plan is None:
+                raise NoReference("no topology to start a reference from (give the topology file)")
+            self._reference_run = self._reference_host()
+            self._reference_url = self._reference_run.start_reference(tp=1)
+        return self._reference_url
+
+    def _reference_host(self) -> Run:
+        assert self._plan is not None
+        return Run(self._plan)
+
+    def close(self) -> None:
+        if self._reference_run is not None:
+            self._reference_run.stop()
+
+    def __enter__(self) -> Target:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LaunchedTarget(Target):
+    """A topology this verify brings up, and stops at the end (its reference with it)."""
+
+    mode = "launched"
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        super().__init__("", [], [], plan)
+        self.run = Run(plan)
+
+    def start(self, timeout: float | None) -> None:
+        self.run.start()
+        self.run.wait_ready(timeout)
+        self.router_url = self.run.router_url
+        for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
+            urls[:] = [s.url for s in self.run.states if s.plan.role == role]
+
+    def check_alive(self) -> None:
+        self.run.check_exits()
+
+    def logs(self) -> dict[str, str]:
+        return {s.plan.name: str(s.spawned.log_path) for s in self.run.states if s.spawned}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "topology": self.run.plan.topology.name,
+            "file": str(self.run.plan.loaded.file),
+            **({"router_url": self.router_url} if self.router_url else {}),
+        }
+
+    def _reference_host(self) -> Run:
+        return self.run  # the reference joins the run: stopped with it
+
+    def close(self) -> None:
+        self.run.stop()
+
+
+class RunningTarget(Target):
+    """A run of `pdctl up` on this host: verified, never stopped."""
+
+    mode = "running"
+
+    def __init__(self, name: str | None) -> None:
+        live = [r for r in state.select(name) if not r.stale]
+        if not live:
+            what = f"no run named {name!r} is up" if name else "no topology is up on this host"
+            raise UsageError(what, hint="give a topology file, or start one with `pdctl up FILE`")
+        if len(live) > 1:
+            raise UsageError(
+                f"{len(live)} runs are up: {', '.join(r.name for r in live)}",
+                hint="pick one with --running NAME",
+            )
+        (self.state,) = live
+        urls = {
+            role: [p["url"] for p in self.state.processes if p["role"] == role]
+            for role in ("prefill", "decode")
+        }
+        super().__init__(
+            str(self.state.data["router_url"]), urls["prefill"], urls["decode"], _plan_of(self)
+        )
+
+    def check_alive(self) -> None:
+        for process in self.state.processes:
+            if not self.state.alive(process):
+                raise LaunchError(
+                    f"{process['name']} ({process['role']}, pid {process['pid']}) is not running "
+                    "any more"
+                )
+
+    def logs(self) -> dict[str, str]:
+        return {p["name"]: p["log"] for p in self.state.data.get("processes", []) if p.get("log")}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "run": self.state.name,
+            "topology": self.state.topology,
+            "router_url": self.router_url,
+        }
+
+
+def _plan_of(target: RunningTarget) -> LaunchPlan | None:
+    """The run's topology file, if it still loads: the reference is started from it."""
+    file = target.state.data.get("file")
+    if not file:
+        return None
+    try:
+        return make_plan(load_checked(file))
+    except (TopologyError, UsageError, OSError):
+        return None
+
+
+def url_target(url: str, plan: LaunchPlan | None) -> Target:
+    """Any router: the builtin one lists its workers, so their caches can be flushed."""
+    prefill: list[str] = []
+    decode: list[str] = []
+    try:
+        info = httpx.get(f"{url}/get_server_info", timeout=10).json()
+        prefill = [w["url"] for w in info.get("prefill", []) if isinstance(w, dict)]
+        decode = [w["url"] for w in info.get("decode", []) if isinstance(w, dict)]
+    except (httpx.HTTPError, ValueError, AttributeError, KeyError, TypeError):
+        pass
+    if not prefill and not decode:
+        prefill = [url]  # other routers: /flush_cache on the router flushes its workers
+    return Target(url, prefill, decode, plan)
