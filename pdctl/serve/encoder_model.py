@@ -199,10 +199,10 @@ def _parse_raw(value: dict[Any, Any], where: str) -> torch.Tensor:
 class _LayerWeights:
     attn_norm: torch.Tensor  # [width]
     qkv_t: torch.Tensor  # [width, 3 * local width]: this rank's heads' Q | K | V columns
-    out_chunks: list[torch.Tensor]  # this rank's [width / REDUCTION_CHUNKS, width] pieces
+    out_chunks: torch.Tensor  # this rank's [chunks, width / REDUCTION_CHUNKS, width] stack
     mlp_norm: torch.Tensor  # [width]
     fc1_t: torch.Tensor  # [width, MLP_RATIO * width / tp]
-    fc2_chunks: list[torch.Tensor]  # [MLP_RATIO * width / REDUCTION_CHUNKS, width] pieces
+    fc2_chunks: torch.Tensor  # [chunks, MLP_RATIO * width / REDUCTION_CHUNKS, width]
 
 
 class EncoderModel:
@@ -263,10 +263,10 @@ class EncoderModel:
                 _LayerWeights(
                     attn_norm=place(get(prefix + "attn_norm.weight", (WIDTH,))),
                     qkv_t=place(qkv_mine.t()),
-                    out_chunks=[place(c) for c in row_chunks(out_t, tp, tp_rank)],
+                    out_chunks=place(row_chunks(out_t, tp, tp_rank)),
                     mlp_norm=place(get(prefix + "mlp_norm.weight", (WIDTH,))),
                     fc1_t=place(get(prefix + "mlp.fc1.weight", (inner, WIDTH))[inner_mine].t()),
-                    fc2_chunks=[place(c) for c in row_chunks(fc2_t, tp, tp_rank)],
+                    fc2_chunks=place(row_chunks(fc2_t, tp, tp_rank)),
                 )
             )
         self.final_norm = place(get("final_norm.weight", (WIDTH,)))

@@ -126,18 +126,24 @@ AllGather = Callable[[torch.Tensor], torch.Tensor]
 
 
 def row_parallel_matmul(
-    x: torch.Tensor, weight_chunks: list[torch.Tensor], gather: AllGather | None
+    x: torch.Tensor, weight_chunks: torch.Tensor, gather: AllGather | None
 ) -> torch.Tensor:
     """sum_c x_c @ W_c over REDUCTION_CHUNKS column ranges, summed in chunk order.
 
-    `x` [M, K_local] holds this rank's chunks side by side; `weight_chunks` are this
-    rank's [K_chunk, N] pieces. `gather` stacks every rank's partials in rank order
-    ([chunks, M, N]); None when there is one rank.
+    `x` [M, K_local] holds this rank's chunks side by side; `weight_chunks` is this
+    rank's [local chunks, K_chunk, N] stack. `gather` stacks every rank's partials in
+    rank order ([chunks, M, N]); None when there is one rank.
     """
-    width = weight_chunks[0].shape[0]
-    partials = torch.stack(
-        [matmul(x[:, i * width : (i + 1) * width], w) for i, w in enumerate(weight_chunks)]
-    )  # [local chunks, M, N]
+    chunks, width, _ = weight_chunks.shape
+    if _invariant_kernels(x.device.type):
+        # one launch for every chunk: the batched kernel reduces each exactly as alone
+        rows = x.shape[0]
+        padded = pad_rows(x).to(weight_chunks.dtype).reshape(-1, chunks, width)
+        partials = product(padded.transpose(0, 1), weight_chunks)[:, :rows]
+    else:
+        partials = torch.stack(
+            [matmul(x[:, i * width : (i + 1) * width], w) for i, w in enumerate(weight_chunks)]
+        )  # [local chunks, M, N]
     if gather is not None:
         partials = gather(partials)  # [REDUCTION_CHUNKS, M, N]
     total = partials[0].clone()

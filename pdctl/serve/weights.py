@@ -78,9 +78,9 @@ def checkpoint_config(path: Path) -> ModelConfig:
 class LayerWeights:
     qkv_t: torch.Tensor  # [hidden, padded(q + k + v local widths)]
     qkv_bias: torch.Tensor | None  # [q + k + v local widths]
-    o_chunks: list[torch.Tensor]  # this rank's [K_chunk, hidden] pieces
+    o_chunks: torch.Tensor  # this rank's [local chunks, K_chunk, hidden] stack
     gate_up_t: torch.Tensor  # [hidden, padded(2 * intermediate local)]
-    down_chunks: list[torch.Tensor]  # [I_chunk, hidden] pieces
+    down_chunks: torch.Tensor  # [local chunks, I_chunk, hidden]
     input_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor  # [hidden]
 
@@ -125,8 +125,9 @@ def _padded_t(weight: torch.Tensor) -> torch.Tensor:
     return padded.t().contiguous()
 
 
-def row_chunks(weight_t: torch.Tensor, tp: int, rank: int) -> list[torch.Tensor]:
-    """[K, N] -> this rank's REDUCTION_CHUNKS // tp row blocks, N padded to TILE."""
+def row_chunks(weight_t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """[K, N] -> this rank's REDUCTION_CHUNKS // tp row blocks, N padded to TILE, stacked:
+    [REDUCTION_CHUNKS // tp, K / REDUCTION_CHUNKS, N padded]."""
     k = weight_t.shape[0]
     width = k // ops.REDUCTION_CHUNKS
     per_rank = ops.REDUCTION_CHUNKS // tp
@@ -135,7 +136,7 @@ def row_chunks(weight_t: torch.Tensor, tp: int, rank: int) -> list[torch.Tensor]
     for chunk in range(first, first + per_rank):
         piece = weight_t[chunk * width : (chunk + 1) * width]
         pieces.append(_padded_t(piece.t().contiguous()))
-    return pieces
+    return torch.stack(pieces)
 
 
 Source = Callable[[str, tuple[int, ...]], torch.Tensor]
@@ -191,9 +192,9 @@ def build_rank_weights(
             LayerWeights(
                 qkv_t=place(_padded_t(qkv)),
                 qkv_bias=bias,
-                o_chunks=[place(c) for c in row_chunks(o.t(), tp, rank)],
+                o_chunks=place(row_chunks(o.t(), tp, rank)),
                 gate_up_t=place(_padded_t(torch.cat([gate[rows], up[rows]]))),
-                down_chunks=[place(c) for c in row_chunks(down.t(), tp, rank)],
+                down_chunks=place(row_chunks(down.t(), tp, rank)),
                 input_norm=place(get(prefix + "input_layernorm.weight", (hidden,))),
                 post_norm=place(get(prefix + "post_attention_layernorm.weight", (hidden,))),
             )

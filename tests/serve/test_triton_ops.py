@@ -1,4 +1,4 @@
-"""The engine's fixed-order Triton product (opt-in on GPUs: PDCTL_TRITON_MATMUL=1).
+"""The engine's fixed-order Triton product (the deterministic default on CUDA and XPU).
 
 CPU: TRITON_INTERPRET=1 (float32 and float16; the interpreter mishandles bfloat16
 dots). GPU-marked: bfloat16 rows bit-identical across M and TP column splits.
@@ -58,3 +58,16 @@ def test_bfloat16_rows_are_bit_identical_across_batch_and_tp_split() -> None:
         assert torch.equal(triton_ops.matmul(a[:m], w)[:16], first)
     half = triton_ops.matmul(a[:16], w[:, :2048].contiguous())
     assert torch.equal(half, first[:, :2048])
+
+
+def test_one_batched_launch_reduces_each_chunk_exactly_as_its_own_launch() -> None:
+    """ops.row_parallel_matmul runs every reduction chunk in one launch on accelerators:
+    a strided [chunks, M, K_chunk] view of the activations against the stacked chunks
+    must give each chunk's product bit for bit."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(32, 8 * 24, generator=generator).to(torch.float16)  # 8 chunks of 24
+    weights = torch.randn(8, 24, 48, generator=generator).to(torch.float16)
+    batched = triton_ops.matmul(x.reshape(32, 8, 24).transpose(0, 1), weights)
+    for chunk in range(8):
+        alone = triton_ops.matmul(x[:, chunk * 24 : (chunk + 1) * 24], weights[chunk])
+        assert torch.equal(batched[chunk], alone)
