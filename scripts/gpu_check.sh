@@ -5,9 +5,9 @@
 # PD benchmark on the 2-GPU topology. Reports go under $OUT (default gpu-reports/).
 #
 # Python packages the machine lacks travel as wheels in .whl/ and .whl-gpu/ (the CUDA
-# Mooncake wheel), Debian's libibverbs1 and libnl as .debs/ (unpacked to /tmp/ibv,
-# never to /): see docs/benchmarks.md. STAGES picks parts: tests,bench,nightly,pd, and
-# engine (the engine bench alone, deterministic and vendor modes side by side), sweep
+# Mooncake and NIXL wheels), Debian's libibverbs1 and libnl as .debs/ (unpacked to
+# /tmp/ibv, never to /): scripts/gpu_wheels.sh fills those folders. STAGES picks
+# parts: tests,bench,nightly,pd, and engine (the engine bench alone, deterministic and vendor modes side by side), sweep
 # (staging kernel variants, device-only and end to end) and invariance (vendor vs
 # Triton products across batch sizes and TP splits). One device call runs for at
 # most 10 minutes and brings back 8 files: split the stages over calls, e.g.
