@@ -284,14 +284,15 @@ class VerifySpec(Strict):
     seed: int = Field(0, ge=0, description="Seed of the workload.")
 
 
-FAULT_NAMES = (
+FaultName = Literal[
     "corrupt-kv",
     "drop-scatter",
     "delay-transfer",
     "kill-role",
     "corrupt-embedding",
     "perturb-prefix-hit",
-)
+]
+FAULT_NAMES: tuple[str, ...] = FaultName.__args__  # type: ignore[attr-defined]
 
 
 def _fault_shorthand(value: Any) -> Any:
@@ -302,14 +303,7 @@ def _fault_shorthand(value: Any) -> Any:
 class FaultSpec(Strict):
     """A fault the servers inject on purpose, to prove `pdctl verify` catches it."""
 
-    name: Literal[
-        "corrupt-kv",
-        "drop-scatter",
-        "delay-transfer",
-        "kill-role",
-        "corrupt-embedding",
-        "perturb-prefix-hit",
-    ] = Field(
+    name: FaultName = Field(
         description="corrupt-kv: flip KV bytes after prefill digested them; drop-scatter: "
         "decode skips a scatter; delay-transfer: prefill waits past the transfer timeout; "
         "kill-role: a role dies after some requests; corrupt-embedding: encoder only; "

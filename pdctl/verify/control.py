@@ -142,10 +142,9 @@ def _classify(
         return
     if in_run.output_ids == base.output_ids:
         if finding.classification == "unconfirmed":
-            finding.classification = "divergence"
-            finding.message = finding.message.replace(
-                ", not reproduced without KV transfer",
-                ": the colocated control, moving no KV, gives the baseline's tokens in the same "
+            _blame_pd(
+                finding,
+                "the colocated control, moving no KV, gives the baseline's tokens in the same "
                 "cache state, so the KV or its transfer is wrong",
             )
         else:
@@ -167,9 +166,16 @@ def _classify(
 
 def _reference_is_its_own_control(finding: Finding) -> None:
     if finding.classification == "unconfirmed":
-        finding.classification = "divergence"
-        finding.message = finding.message.replace(
-            ", not reproduced without KV transfer",
-            ": the colocated reference moves no KV and gives other tokens in the same cache "
+        _blame_pd(
+            finding,
+            "the colocated reference moves no KV and gives other tokens in the same cache "
             "state, so PD (the KV path or the TP split) is wrong",
         )
+
+
+def _blame_pd(finding: Finding, evidence: str) -> None:
+    """An unconfirmed finding the control does not reproduce: a divergence, with why."""
+    finding.classification = "divergence"
+    finding.message = finding.message.replace(
+        ", not reproduced without KV transfer", f": {evidence}"
+    )

@@ -140,6 +140,9 @@ def test_plan_human_output_shows_ports_env_and_commands(cli, make_topology) -> N
     assert "--port <decode-0.http>" in out  # dynamic ones stay symbolic
     assert "FOO=bar  from env, parent had 'old'" in out
     assert "http=31000" in out and "http=at launch" in out
+    assert "serving   deterministic (serving.deterministic): fixed-order kernels" in out
+    vendor = cli.invoke(app, ["plan", str(make_topology(serving={"deterministic": False}))])
+    assert "serving   deterministic off (serving.deterministic: false)" in vendor.stdout
 
 
 def test_plan_of_a_bad_file_exits_2_without_traceback(cli) -> None:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from pdctl.engines.base import render_command, shell_line
 from pdctl.launch.plan import LaunchPlan, ProcessPlan, load_checked, make_plan
-from tests.conftest import REPO
+from tests.conftest import REMOVE, REPO
 
 PY = sys.executable
 
@@ -34,7 +36,7 @@ def test_sglang_staging_prefill_command() -> None:
         "--disaggregation-transfer-backend mooncake "
         "--disaggregation-bootstrap-port '<prefill-0.bootstrap>' --tp-size 1 --base-gpu-id 0 "
         "--device xpu --nccl-port '<prefill-0.nccl>' --page-size 16 --max-running-requests 32 "
-        "--chunked-prefill-size 512 --enable-deterministic-inference --random-seed 0"
+        "--chunked-prefill-size 512 --random-seed 0"
     )
 
 
@@ -45,8 +47,7 @@ def test_sglang_staging_decode_command_and_env() -> None:
         "--host 127.0.0.1 --port '<decode-0.http>' --disaggregation-mode decode "
         "--disaggregation-transfer-backend mooncake --tp-size 2 --base-gpu-id 0 --device xpu "
         "--nccl-port '<decode-0.nccl>' --dist-init-addr '127.0.0.1:<decode-0.dist>' "
-        "--page-size 16 --max-running-requests 32 --chunked-prefill-size 512 "
-        "--enable-deterministic-inference --random-seed 0"
+        "--page-size 16 --max-running-requests 32 --chunked-prefill-size 512 --random-seed 0"
     )
     env = process(plan, "decode-0").env_values()
     assert env["ZE_AFFINITY_MASK"] == "1,2"
@@ -128,3 +129,23 @@ def test_replicas_get_their_own_slots_titles_and_router_entries(make_topology) -
     assert process(plan, "prefill-1").ranks[0].title.endswith(":prefill-1:tp0")
     router = line(plan, "router")
     assert "'<prefill-0.bootstrap>'" in router and "'<prefill-1.bootstrap>'" in router
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_serving_deterministic_reaches_every_server(make_topology, deterministic) -> None:
+    """The embedded servers get --deterministic or --no-deterministic, SGLang gets
+    --enable-deterministic-inference or nothing, and plan shows the mode."""
+    serving = {"deterministic": deterministic}
+    embedded = make_plan(load_checked(make_topology(serving=serving)))
+    for name in ("prefill-0", "decode-0"):
+        flags = render_command(process(embedded, name).command)
+        assert ("--deterministic" in flags) is deterministic
+        assert ("--no-deterministic" in flags) is not deterministic
+    sglang = make_plan(load_checked(make_topology(
+        engine="sglang", device="cuda", serving=serving, transfer={"backend": "mooncake"},
+        model={"path": "org/model", "preset": REMOVE},
+    )))  # fmt: skip
+    for name in ("prefill-0", "decode-0"):
+        flags = render_command(process(sglang, name).command)
+        assert ("--enable-deterministic-inference" in flags) is deterministic
+    assert sglang.to_json()["deterministic"] is deterministic
