@@ -11,6 +11,18 @@ from pdctl import console
 from pdctl.cli.common import JsonOption, QuietOption, VerboseOption, options
 
 
+def tent_line(info: dict[str, Any]) -> str:
+    """What the Transfer Engine did when asked for TENT, as the engine showed it."""
+    ran = info.get("tent_engine", {}).get("implementation", "unknown")
+    if info.get("tent_engaged"):
+        return "TENT engaged (the engine ran TENT)"
+    if info.get("tent_requested"):
+        return f"TENT requested, not engaged (the engine ran its {ran} implementation)"
+    if info.get("tent_available"):
+        return "TENT available, not requested"
+    return f"TENT not available (asked for it, the engine ran its {ran} implementation)"
+
+
 def doctor(
     ctx: typer.Context,
     json: JsonOption = False,
@@ -61,9 +73,8 @@ def _transport(name: str, info: dict[str, Any]) -> None:
         )
     elif memory:
         parts.append(f"memory: {', '.join(memory)}")
-    if name == "mooncake":
-        built = "built, not requested" if info.get("tent_built") else "not built in"
-        parts.append("TENT engaged" if info.get("tent_engaged") else f"TENT {built}")
+    if name == "mooncake" and info.get("importable"):
+        parts.append(tent_line(info))
     if name == "tcp":
         parts.append("same-host direct writes" if info.get("same_host_direct") else "TCP only")
     out.print(f"[green]{name}[/green]: " + escape("; ".join(p for p in parts if p)))

@@ -2,7 +2,8 @@
 
 The report backs `pdctl doctor` and the requirement checks of the nightly: a
 capability is listed only when a probe showed it (an importable module, a plugin
-NIXL lists, TENT symbols in Mooncake's binary), never because a variable asks for it.
+NIXL lists, a Transfer Engine that ran TENT when asked), never because a variable
+asks for it.
 """
 
 from __future__ import annotations
@@ -131,12 +132,22 @@ def _mooncake() -> dict[str, Any]:
         protocols=["tcp"] + (["rdma"] if rdma else []),
         rdma_devices=rdma,
         memory_types=["DRAM"] + (["VRAM"] if getattr(engine, "SUPPORT_CUDA", False) else []),
-        tent_built=mooncake.tent_built(),
-        tent_requested=os.environ.get("MC_USE_TENT") == "1",
+        tent_built=mooncake.tent_built(),  # symbols only: a hint, never the verdict
     )
-    info["tent_engaged"] = info["tent_built"] and info["tent_requested"]
-    if info["tent_requested"] and not info["tent_built"]:
-        info["warning"] = "MC_USE_TENT=1 is set but this Mooncake has no TENT engine: it is ignored"
+    asked = mooncake.tent_requested()
+    # what the engine runs when asked for TENT: this environment's variable, else MC_USE_TENT=1
+    probe = mooncake.probe_engine(dict(os.environ) if asked else {**os.environ, "MC_USE_TENT": "1"})
+    info.update(
+        tent_engine=probe,
+        tent_available=probe["implementation"] == "tent",
+        tent_requested=asked is not None,
+        tent_engaged=asked is not None and probe["implementation"] == "tent",
+    )
+    if asked is not None and not info["tent_engaged"]:
+        info["warning"] = (
+            f"{asked} is set, but the Transfer Engine ran its {probe['implementation']} "
+            f"implementation ({probe['evidence']}): TENT is not engaged"
+        )
     return info
 
 
@@ -192,7 +203,7 @@ def capabilities(data: dict[str, Any]) -> set[str]:
     if data["triton"].get("importable"):
         found.add("triton")
     mooncake = data["transports"].get("mooncake", {})
-    if mooncake.get("tent_built"):
+    if mooncake.get("tent_available"):  # observed: the engine ran TENT when asked
         found.add("mooncake.tent")
     if "rdma" in mooncake.get("protocols", []):
         found.add("mooncake.rdma")

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 # Variables whose values pdctl can check, with the values their readers accept.
 KNOWN_VALUES: dict[str, tuple[str, ...]] = {
-    "MC_USE_TENT": ("0", "1"),
     "MOONCAKE_PROTOCOL": ("tcp", "rdma"),
     "TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER": ("0", "1"),
     "TORCHDYNAMO_DISABLE": ("0", "1"),
@@ -33,6 +32,11 @@ DERIVED_BY_PDCTL: dict[str, str] = {
     "SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB": "transfer.staging.segment_size_mb",
     "SGLANG_DISAGGREGATION_NIXL_BACKEND": "transfer.nixl_backend",
 }
+# Mooncake engages TENT whenever one of these is set, to any value: "0" turns it ON
+# (mooncake-transfer-engine/src/transfer_engine.cpp: `if (getenv("MC_USE_TENT") ||
+# getenv("MC_USE_TEV1"))`). A value that reads as "off" is the trap; removing is off.
+TENT_VARIABLES = ("MC_USE_TENT", "MC_USE_TEV1")
+READS_AS_OFF = ("", "0", "false", "no", "off", "n", "f")
 # Variables that earlier pdctl read, now topology keys.
 REPLACED_BY_KEYS: dict[str, str] = {"PDCTL_TRITON_MATMUL": "serving.deterministic"}
 BACKEND_PREFIXES = {"MC_": "mooncake", "MOONCAKE_": "mooncake", "NIXL_": "nixl", "UCX_": "nixl"}
@@ -110,6 +114,20 @@ def _variable_problems(
             path,
             f"{name} is set by pdctl from {DERIVED_BY_PDCTL[name]}",
             f"set {DERIVED_BY_PDCTL[name]} instead",
+        )
+    if name in TENT_VARIABLES and value.strip().lower() in READS_AS_OFF:
+        yield Issue(
+            path,
+            f"{name}={value!r} turns TENT on: Mooncake engages TENT whenever {name} is set, "
+            "to any value",
+            f"remove {name} to keep TENT off; set it to '1' to ask for TENT",
+        )
+    elif name in TENT_VARIABLES and value != "1":
+        yield Issue(
+            path,
+            f"{name}={value!r} asks for TENT (Mooncake reads only whether it is set)",
+            "write '1', the spelling everyone reads the same way",
+            severity="warning",
         )
     allowed = KNOWN_VALUES.get(name)
     if allowed and value not in allowed:

@@ -195,9 +195,15 @@ def base_env(topology: Topology, role: str, devices: tuple[int, ...]) -> list[En
     return list(merged.values())
 
 
-def _any_env(topology: Topology, name: str, value: str) -> bool:
+def _any_env_set(topology: Topology, names: tuple[str, ...]) -> str | None:
+    """The first of `names` set (to any value) in any role's environment, else None."""
     roles = [role for role, _ in topology.roles.items()] + ["router"]
-    return any(merged_user_env(topology, role).get(name) == value for role in roles)
+    for role in roles:
+        env = merged_user_env(topology, role)
+        for name in names:
+            if name in env:
+                return name
+    return None
 
 
 def requirements(topology: Topology) -> Requirements:
@@ -223,8 +229,9 @@ def requirements(topology: Topology) -> Requirements:
         need(modules, "mooncake.engine", "transfer.backend: mooncake")
         if topology.transfer.effective_protocol == "rdma":
             need(capabilities, "mooncake.rdma", "transfer.protocol: rdma")
-        if _any_env(topology, "MC_USE_TENT", "1"):
-            need(capabilities, "mooncake.tent", "MC_USE_TENT=1 asks for the TENT engine")
+        tent = _any_env_set(topology, ("MC_USE_TENT", "MC_USE_TEV1"))
+        if tent is not None:  # Mooncake engages TENT whenever it is set, to any value
+            need(capabilities, "mooncake.tent", f"{tent} set: Mooncake then runs its TENT engine")
     elif backend == "nixl":
         need(modules, "nixl", "transfer.backend: nixl")
         plugin = (topology.transfer.nixl_backend or "UCX").lower()

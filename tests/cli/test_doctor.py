@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from pdctl.cli.app import app
 
 
@@ -27,20 +29,36 @@ def test_doctor_json_is_clean_and_truthful() -> None:
     transports = report["transports"]
     assert transports["tcp"]["importable"] and transports["tcp"]["same_host_direct"] is True
     assert transports["mooncake"]["importable"], transports["mooncake"]
-    assert transports["mooncake"]["tent_built"] is False  # the published CPU wheel has no TENT
+    mooncake = transports["mooncake"]
+    assert mooncake["tent_built"] is False  # the published CPU wheel has no TENT
+    # asked for TENT, the engine itself showed its classic implementation running
+    assert mooncake["tent_engine"]["implementation"] == "classic"
+    assert "transfer_engine_impl.cpp" in mooncake["tent_engine"]["evidence"]
+    assert mooncake["tent_available"] is False and mooncake["tent_engaged"] is False
     assert transports["nixl"]["importable"] and "UCX" in transports["nixl"]["usable_plugins"]
     assert {"nixl.ucx", "triton"} <= set(report["capabilities"])
     assert "mooncake.tent" not in report["capabilities"]
     assert report["devices"]["cpu"] >= 1 and report["torch"].startswith("2.")
 
 
-def test_doctor_warns_when_tent_is_requested_but_missing() -> None:
+@pytest.mark.parametrize(("name", "value"), [("MC_USE_TENT", "1"), ("MC_USE_TENT", "0"),
+                                             ("MC_USE_TEV1", "")])  # fmt: skip
+def test_doctor_says_tent_is_not_engaged_from_what_the_engine_ran(name: str, value: str) -> None:
+    """Set to any value, "0" and "" included, the variable asks Mooncake for TENT; this
+    wheel runs its classic engine anyway, and doctor says so from the engine's log."""
     import os
 
-    result = run_doctor(env={**os.environ, "MC_USE_TENT": "1"})
+    env = {k: v for k, v in os.environ.items() if k not in ("MC_USE_TENT", "MC_USE_TEV1")}
+    result = run_doctor(env={**env, name: value})
     assert result.returncode == 0
-    assert "TENT not built in" in result.stdout
-    assert "MC_USE_TENT=1 is set but this Mooncake has no TENT engine" in result.stderr
+    assert "TENT requested, not engaged (the engine ran its classic implementation)" in (
+        result.stdout
+    )
+    assert f"{name} is set, but the Transfer Engine ran its classic implementation" in (
+        result.stderr
+    )
+    plain = run_doctor(env=env)
+    assert "TENT not available (asked for it, the engine ran its classic" in plain.stdout
 
 
 def test_doctor_is_listed_in_help(cli) -> None:

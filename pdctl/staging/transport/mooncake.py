@@ -1,17 +1,24 @@
 """Mooncake Transfer Engine: P2P handshake, TCP (CI) or RDMA, CPU or GPU memory.
 
 The protocol comes from the topology (`transfer.protocol`), else from
-`MOONCAKE_PROTOCOL`, else tcp. `MC_USE_TENT=1` is read by Mooncake itself; whether
-the TENT engine is really there is reported by `tent_built()` (published wheels
-may be built without it, and then Mooncake ignores the variable silently).
-Notifications ride on Mooncake's own notify messages, sent with the last write.
+`MOONCAKE_PROTOCOL`, else tcp. Mooncake itself reads `MC_USE_TENT` (and the older
+`MC_USE_TEV1`): set to any value, "0" included, it asks for the TENT engine. Whether
+TENT really ran is what `probe_engine` observes: a Transfer Engine started in a
+child process with that environment, read from its own log (the classic engine logs
+from its own source files, which TENT never constructs). Wheels built without TENT
+ignore the variable silently; `tent_built()` only says whether TENT's symbols are in
+the library. Notifications ride on Mooncake's own notify messages, sent with the
+last write.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from pdctl.staging.descriptors import xpu_pointer_type
@@ -57,6 +64,52 @@ def tent_built() -> bool:
     return False
 
 
+TENT_VARIABLES = ("MC_USE_TENT", "MC_USE_TEV1")
+# glog names the source file of each line: these are the classic engine's, which a
+# Transfer Engine running TENT never constructs
+CLASSIC_SOURCES = ("transfer_engine_impl.cpp", "tcp_transport.cpp", "rdma_transport.cpp")
+_PROBE = (
+    "from mooncake.engine import TransferEngine\n"
+    "engine = TransferEngine()\n"
+    "print('pdctl-probe-init', engine.initialize('127.0.0.1', 'P2PHANDSHAKE', 'tcp', ''))\n"
+)
+
+
+def tent_requested(env: Mapping[str, str] | None = None) -> str | None:
+    """The variable that asks Mooncake for TENT (set to any value), if any."""
+    found = os.environ if env is None else env
+    return next((name for name in TENT_VARIABLES if name in found), None)
+
+
+def probe_engine(env: Mapping[str, str], timeout: float = 60.0) -> dict[str, Any]:
+    """Which implementation a Transfer Engine runs under `env`, from the engine itself:
+    `implementation` is "tent", "classic" or "unknown" (it did not start), with the
+    log line that shows it. The child binds only loopback and exits at once."""
+    child_env = {**env, "GLOG_logtostderr": "1", "GLOG_minloglevel": "0"}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE],
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"implementation": "unknown", "evidence": f"the probe did not finish: {exc}"}
+    started = "pdctl-probe-init 0" in done.stdout
+    lines = done.stderr.splitlines()
+    classic = [line for line in lines if any(source in line for source in CLASSIC_SOURCES)]
+    if classic:
+        return {"implementation": "classic", "evidence": classic[0].strip()[-200:]}
+    if started:
+        return {
+            "implementation": "tent",
+            "evidence": "initialised with no line from the classic engine's sources",
+        }
+    tail = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+    return {"implementation": "unknown", "evidence": f"the engine did not start: {tail[-200:]}"}
+
+
 class MooncakeTransport(Transport):
     name = "mooncake"
 
@@ -75,7 +128,7 @@ class MooncakeTransport(Transport):
                 f"error {result}"
             )
         self.session = f"{config.host}:{self.engine.get_rpc_port()}"
-        self.tent_requested = os.environ.get("MC_USE_TENT") == "1"
+        self.tent_requested = tent_requested() is not None
         self.pool = WritePool("mooncake")
         self._batch_lock = threading.Lock()
 
