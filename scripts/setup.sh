@@ -7,6 +7,7 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0                   # the CPU build on this class of machine
 NIXL_VERSION=1.5.1                     # nixl-cu12 + the nixl meta package, both --no-deps
+SGLANG_VERSION=0.5.23                  # the SGLang pdctl's sglang engine is checked against
 say() { printf 'setup: %s\n' "$*" >&2; }
 
 # 1. System libraries. Mooncake's engine module links libibverbs even for TCP.
@@ -42,8 +43,17 @@ pip install -e ".[dev,triton,mooncake-cpu,router,ray]"
 say "installing nixl-cu12==$NIXL_VERSION and nixl==$NIXL_VERSION with --no-deps"
 pip install --no-deps "nixl-cu12==$NIXL_VERSION" "nixl==$NIXL_VERSION"
 
+# 6. SGLang's argument parser and environment table, for the contract tests of what pdctl
+# renders for `engine: sglang`. Serving needs GPUs; parsing does not. --no-deps: SGLang pins
+# a CUDA torch; these few packages are all that `sglang.srt.server_args` imports on top.
+say "installing sglang==$SGLANG_VERSION with --no-deps, and its parser's imports"
+pip install --no-deps "sglang==$SGLANG_VERSION"
+pip install "psutil==7.2.2" "pybase64==1.5.1" "msgspec==0.23.0" "pyzmq==27.3.0" \
+  "ipython==9.18.1" "traitlets==5.16.1"
+
 "$VENV/bin/python" - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), f"unexpected torch {torch.__version__}"
+from sglang.srt.server_args import ServerArgs  # noqa: F401  (the contract tests need it)
 print(f"setup: ok (torch {torch.__version__})", flush=True)
 PY

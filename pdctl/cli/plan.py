@@ -40,7 +40,9 @@ def _summary(launch_plan: LaunchPlan) -> list[str]:
     topology = launch_plan.topology
     transfer = topology.transfer
     staging = "off (equal TP: pages go directly)"
-    if topology.uses_staging:
+    if topology.uses_staging and topology.engine == "sglang":  # SGLang sizes its own writes
+        staging = f"on (SGLang's pool {transfer.staging.pool_size_mb:g} MiB)"
+    elif topology.uses_staging:
         staging = (
             f"on (pool {transfer.staging.pool_size_mb:g} MiB, "
             f"segment {transfer.staging.effective_segment_mb:g} MiB)"
@@ -116,6 +118,9 @@ def _process_detail(process: ProcessPlan, fixed: dict[str, int]) -> None:
         current += " " + (arg if " " not in arg else repr(arg))
     lines.append(current)
     out.print(" \\\n".join(lines), markup=False)
+    out.print("  readiness (then a 1-token canary through the router):")
+    for probe in process.probes:
+        out.print(f"    {probe.describe(fixed)}", markup=False)
 
 
 def render(launch_plan: LaunchPlan) -> None:

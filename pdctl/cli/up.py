@@ -18,6 +18,7 @@ from rich.table import Table
 from pdctl import console
 from pdctl.cli.common import JsonOption, QuietOption, VerboseOption, options, report_issues
 from pdctl.errors import ExitCode, RequirementsUnmet
+from pdctl.launch.launcher import make_run
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.requirements import unmet
 from pdctl.launch.run import Run
@@ -144,7 +145,7 @@ def up(
             f"{plan.topology.name} cannot run on this machine: " + "; ".join(problems),
             hint="`pdctl doctor` shows what this machine has",
         )
-    run = Run(plan, run_dir, detach=detach)
+    run = make_run(plan, run_dir, detach=detach)
     up_since = None
     with stop_on_signals():
         try:

@@ -13,9 +13,12 @@ import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from pdctl.topology.issues import Issue
+
+if TYPE_CHECKING:
+    from pdctl.engines.probes import Probe
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import EnvEntry, ServerLayout, role_spec
 
@@ -108,6 +111,19 @@ def base_slots(topology: Topology, server: ServerLayout) -> list[PortSlot]:
     return slots
 
 
+REFERENCE = "reference"  # the owner of the reference server's ports
+
+
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """A colocated server of the topology's engine and model, no PD: what verify's
+    reference pass and its control before blame compare with."""
+
+    slots: tuple[PortSlot, ...]
+    command: Command
+    probes: tuple[Probe, ...]
+
+
 class Engine(ABC):
     """An engine: per-server ports, environment and command line."""
 
@@ -127,6 +143,17 @@ class Engine(ABC):
     def env(self, topology: Topology, server: ServerLayout) -> list[EnvEntry]:
         """Engine-specific variables derived from topology keys."""
         return []
+
+    @abstractmethod
+    def probes(
+        self, topology: Topology, server: ServerLayout, slots: Mapping[str, PortSlot]
+    ) -> list[Probe]:
+        """How the launcher tells this server is up, on the engine's own endpoints, in
+        order (healthy first): see `pdctl.engines.probes`."""
+
+    @abstractmethod
+    def reference(self, topology: Topology, tp: int) -> ReferenceSpec:
+        """The same engine and model, colocated at `tp`, every flag but disaggregation."""
 
     def check(self, topology: Topology) -> Iterator[Issue]:
         """Engine-specific rules; by default, no managed flag in a role's `args`."""

@@ -13,17 +13,20 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from pdctl.engines.base import (
+    REFERENCE,
     Arg,
     Command,
     Engine,
+    PortRef,
     PortSlot,
+    ReferenceSpec,
     base_slots,
     command,
     host_ref,
     joined,
     python,
-    render_command,
 )
+from pdctl.engines.probes import Probe, health, on_http
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import ServerLayout, role_spec
 
@@ -53,19 +56,6 @@ def model_args(topology: Topology) -> list[str | Arg]:
         args.append("--disable-overlap")
     args.append("--deterministic" if serving.deterministic else "--no-deterministic")
     return args
-
-
-def reference_command(topology: Topology, port: int, dist_port: int | None, tp: int) -> list[str]:
-    """A colocated server of the topology's model: the reference PD is compared with."""
-    args: list[str | Arg] = [
-        python(), "-m", "pdctl.serve", "--role", "colocated",
-        "--topology-name", topology.name, "--host", topology.host,
-        "--port", str(port), "--tp", str(tp),
-    ]  # fmt: skip
-    if dist_port is not None:
-        args += ["--dist-port", str(dist_port)]
-    args += model_args(topology)
-    return render_command(command(*args))
 
 
 class EmbeddedEngine(Engine):
@@ -116,6 +106,33 @@ class EmbeddedEngine(Engine):
                     PortSlot(server.name, f"transport.tp{rank}", f"tcp transport, rank {rank}")
                 )
         return slots
+
+    def reference(self, topology: Topology, tp: int) -> ReferenceSpec:
+        slots = [PortSlot(REFERENCE, "http", "colocated reference server")]
+        if tp > 1:
+            slots.append(PortSlot(REFERENCE, "dist", "reference rendezvous"))
+        args: list[str | Arg] = [
+            python(), "-m", "pdctl.serve", "--role", "colocated",
+            "--topology-name", topology.name, "--host", topology.host,
+            "--port", Arg((slots[0].ref,)), "--tp", str(tp),
+        ]  # fmt: skip
+        if tp > 1:
+            args += ["--dist-port", Arg((slots[1].ref,))]
+        args += model_args(topology)
+        host = PortRef(f"{REFERENCE}.host", topology.host)
+        by_name = {slot.name: slot for slot in slots}
+        return ReferenceSpec(tuple(slots), command(*args), (health(host, by_name),))
+
+    def probes(
+        self, topology: Topology, server: ServerLayout, slots: Mapping[str, PortSlot]
+    ) -> list[Probe]:
+        """/health; then prefill's bootstrap endpoint (authenticated), or the others' info."""
+        host = host_ref(topology, server.name)
+        if server.role == "prefill":
+            bootstrap = slots["bootstrap"].ref
+            up = Probe("ready", "bootstrap up", host, bootstrap, "/bootstrap/info", auth=True)
+            return [health(host, slots), up]
+        return [health(host, slots), on_http(host, slots, "role ready", "/get_server_info")]
 
     def command(
         self, topology: Topology, server: ServerLayout, slots: Mapping[str, PortSlot]

@@ -18,6 +18,7 @@ from pdctl.engines.base import (
     python,
     url,
 )
+from pdctl.engines.probes import Probe, health
 from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import ServerLayout
@@ -76,6 +77,18 @@ def router_command(
         tail = ["--request-timeout", f"{topology.transfer.timeouts.request_s:g}"]
     args = [*head, *workers, "--host", Arg((host,)), "--port", Arg((http.ref,)), *tail]
     return command(*args, *topology.router.args)
+
+
+def router_probes(topology: Topology) -> list[Probe]:
+    """/health; pdctl's router then reports both sides healthy in /get_server_info."""
+    host = host_ref(topology, ROUTER)
+    slots = {slot.name: slot for slot in router_slots(topology)}
+    probes = [health(host, slots)]
+    if topology.router.kind == "builtin":
+        seen = Probe("ready", "both sides seen", host, slots["http"].ref, "/get_server_info",
+                     ready_field="ready")  # fmt: skip
+        probes.append(seen)
+    return probes
 
 
 def router_issues(topology: Topology) -> Iterator[Issue]:

@@ -13,18 +13,25 @@ from collections.abc import Iterator, Mapping
 from typing import ClassVar
 
 from pdctl.engines.base import (
+    REFERENCE,
     Arg,
     Command,
     Engine,
+    PortRef,
     PortSlot,
+    ReferenceSpec,
     base_slots,
     command,
     host_ref,
     python,
 )
+from pdctl.engines.probes import Probe, health, on_http
 from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import EnvEntry, ServerLayout, merged_user_env, role_spec
+
+
+SUPPORTED = "0.5.23"  # the release the contract tests check against (tests/engines)
 
 
 class SGLangEngine(Engine):
@@ -60,50 +67,50 @@ class SGLangEngine(Engine):
             slots.append(PortSlot(server.name, "dist", "torch.distributed init address"))
         return slots
 
+    def probes(
+        self, topology: Topology, server: ServerLayout, slots: Mapping[str, PortSlot]
+    ) -> list[Probe]:
+        """SGLang's own endpoints: its HTTP server's /health and /server_info, and on
+        prefill its bootstrap server's /health (sglang/srt/disaggregation/common/conn.py),
+        which answers once the KV manager started it. SGLang 0.5.23 lists no registered
+        decode ranks there, so the canary through the router is what proves PD."""
+        host = host_ref(topology, server.name)
+        probes = [health(host, slots), on_http(host, slots, "role ready", "/server_info")]
+        if server.role == "prefill":
+            bootstrap = slots["bootstrap"].ref
+            probes.append(Probe("ready", "bootstrap up", host, bootstrap, "/health"))
+        return probes
+
     def command(
         self, topology: Topology, server: ServerLayout, slots: Mapping[str, PortSlot]
     ) -> Command:
-        serving = topology.serving
         transfer = topology.transfer
-        args: list[str | Arg] = [
-            python(), "-m", "sglang.launch_server",
-            "--model-path", str(topology.model.path),
-            "--host", Arg((host_ref(topology, server.name),)),
-            "--port", Arg((slots["http"].ref,)),
+        host = host_ref(topology, server.name)
+        pd: list[str | Arg] = [
             "--disaggregation-mode", server.role,
             "--disaggregation-transfer-backend", transfer.backend,
         ]  # fmt: skip
         if "bootstrap" in slots:
-            args += ["--disaggregation-bootstrap-port", Arg((slots["bootstrap"].ref,))]
+            pd += ["--disaggregation-bootstrap-port", Arg((slots["bootstrap"].ref,))]
         if transfer.ib_devices:
-            args += ["--disaggregation-ib-device", ",".join(transfer.ib_devices)]
-        args += [
-            "--tp-size", str(server.tp),
-            "--base-gpu-id", "0",
-            "--device", topology.device,
-            "--nccl-port", Arg((slots["nccl"].ref,)),
-        ]  # fmt: skip
-        if "dist" in slots:
-            args += [
-                "--dist-init-addr",
-                Arg((host_ref(topology, server.name), ":", slots["dist"].ref)),
-            ]
-        args += [
-            "--page-size", str(serving.page_size),
-            "--max-running-requests", str(serving.max_running_requests),
-            "--chunked-prefill-size", str(serving.chunked_prefill_tokens),
-        ]  # fmt: skip
-        if serving.kv_pool_tokens is not None:
-            args += ["--max-total-tokens", str(serving.kv_pool_tokens)]
-        if not serving.overlap:
-            args.append("--disable-overlap-schedule")
-        if serving.deterministic:
-            args.append("--enable-deterministic-inference")
-        if topology.model.dtype != "auto":
-            args += ["--dtype", topology.model.dtype]
-        args += ["--random-seed", str(topology.model.seed)]
-        args += role_spec(topology, server.role).args
-        return command(*args)
+            pd += ["--disaggregation-ib-device", ",".join(transfer.ib_devices)]
+        args = _server_args(topology, host, slots, server.tp, pd)
+        return command(*args, *role_spec(topology, server.role).args)
+
+    def reference(self, topology: Topology, tp: int) -> ReferenceSpec:
+        """A colocated SGLang server: the same model and serving flags, no disaggregation
+        (and no role's `args`, which may carry PD-only flags)."""
+        slots = [
+            PortSlot(REFERENCE, "http", "colocated reference server"),
+            PortSlot(REFERENCE, "nccl", "NCCL / collective init port"),
+        ]
+        if tp > 1:
+            slots.append(PortSlot(REFERENCE, "dist", "torch.distributed init address"))
+        by_name = {slot.name: slot for slot in slots}
+        host = PortRef(f"{REFERENCE}.host", topology.host)
+        args = _server_args(topology, host, by_name, tp, [])
+        probes = (health(host, by_name), on_http(host, by_name, "role ready", "/server_info"))
+        return ReferenceSpec(tuple(slots), command(*args), probes)
 
     def env(self, topology: Topology, server: ServerLayout) -> list[EnvEntry]:
         transfer = topology.transfer
@@ -116,11 +123,6 @@ class SGLangEngine(Engine):
                 EnvEntry(
                     "SGLANG_DISAGG_STAGING_POOL_SIZE_MB",
                     str(math.ceil(staging.pool_size_mb)),
-                    source,
-                ),
-                EnvEntry(
-                    "SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB",
-                    str(math.ceil(staging.effective_segment_mb)),
                     source,
                 ),
             ]
@@ -151,9 +153,55 @@ class SGLangEngine(Engine):
 
     def check(self, topology: Topology) -> Iterator[Issue]:
         yield from super().check(topology)
+        if topology.transfer.staging.segment_size_mb is not None:
+            yield Issue(
+                ("transfer", "staging", "segment_size_mb"),
+                f"SGLang {SUPPORTED} sizes its staging writes itself: it has no setting for "
+                "the segment size (pdctl's servers only)",
+                "remove segment_size_mb; transfer.staging.pool_size_mb sets SGLang's pool",
+            )
         if topology.roles.encoder is not None:
             yield Issue(
                 ("roles", "encoder"),
                 "pdctl launches encoder (EPD) topologies with the embedded engine only",
                 "use engine: embedded, or run the SGLang encoder outside pdctl",
             )
+
+
+def _server_args(
+    topology: Topology,
+    host: PortRef,
+    slots: Mapping[str, PortSlot],
+    tp: int,
+    pd: list[str | Arg],
+) -> list[str | Arg]:
+    """`sglang.launch_server` with the topology's model and serving flags; `pd` (the
+    disaggregation flags) goes right after the listener."""
+    serving = topology.serving
+    args: list[str | Arg] = [
+        python(), "-m", "sglang.launch_server",
+        "--model-path", str(topology.model.path),
+        "--host", Arg((host,)),
+        "--port", Arg((slots["http"].ref,)),
+        *pd,
+        "--tp-size", str(tp),
+        "--base-gpu-id", "0",
+        "--device", topology.device,
+        "--nccl-port", Arg((slots["nccl"].ref,)),
+    ]  # fmt: skip
+    if "dist" in slots:
+        args += ["--dist-init-addr", Arg((host, ":", slots["dist"].ref))]
+    args += [
+        "--page-size", str(serving.page_size),
+        "--max-running-requests", str(serving.max_running_requests),
+        "--chunked-prefill-size", str(serving.chunked_prefill_tokens),
+    ]  # fmt: skip
+    if serving.kv_pool_tokens is not None:
+        args += ["--max-total-tokens", str(serving.kv_pool_tokens)]
+    if not serving.overlap:
+        args.append("--disable-overlap-schedule")
+    if serving.deterministic:
+        args.append("--enable-deterministic-inference")
+    if topology.model.dtype != "auto":
+        args += ["--dtype", topology.model.dtype]
+    return [*args, "--random-seed", str(topology.model.seed)]

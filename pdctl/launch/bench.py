@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import yaml
 
+from pdctl.launch.launcher import make_run
 from pdctl.launch.plan import load_checked, make_plan
-from pdctl.launch.run import Run
 from pdctl.topology import TopologyError, load_file
 
 BACKENDS = ("tcp", "mooncake", "nixl")
@@ -184,7 +184,7 @@ def bench_pd(
                 skipped[backend] = str(exc).splitlines()[0]
                 continue
             progress(f"{backend}: starting {plan.topology.name}")
-            with Run(plan).serving() as run:
+            with make_run(plan).serving() as run:
                 progress(f"{backend}: measuring {prompts} requests")
                 row = {"config": f"PD {backend}", "transport": backend}
                 prefill = run.state("prefill-0").url
@@ -192,7 +192,7 @@ def bench_pd(
                 rows.append(row)
         progress("colocated reference: starting")
         plan = make_plan(load_checked(topology))
-        run = Run(plan)
+        run = make_run(plan)
         try:
             url = run.start_reference(tp=1)
             progress("colocated reference: measuring")

@@ -15,7 +15,14 @@ from pathlib import Path
 
 from pdctl.engines import get_engine
 from pdctl.engines.base import Command, PortSlot, render_command, shell_line
-from pdctl.engines.routers import ROUTER, router_command, router_issues, router_slots
+from pdctl.engines.probes import Probe
+from pdctl.engines.routers import (
+    ROUTER,
+    router_command,
+    router_issues,
+    router_probes,
+    router_slots,
+)
 from pdctl.topology import LoadedTopology, TopologyError, load_file
 from pdctl.topology.issues import Issue, errors_only
 from pdctl.topology.model import Topology
@@ -47,6 +54,7 @@ class ProcessPlan:
     ports: tuple[PortSlot, ...]
     env: tuple[EnvEntry, ...]
     command: Command
+    probes: tuple[Probe, ...] = ()  # readiness, in order (the engine's own endpoints)
 
     def env_values(self) -> dict[str, str]:
         return {entry.name: entry.value for entry in self.env}
@@ -130,6 +138,7 @@ def _process_json(
         ],
         "command": render_command(process.command, ports),
         "command_line": shell_line(process.command, ports),
+        "probes": [probe.describe(ports) for probe in process.probes],
     }
 
 
@@ -183,6 +192,7 @@ def make_plan(loaded: LoadedTopology) -> LaunchPlan:
                 ports=tuple(slots),
                 env=tuple(env.values()),
                 command=engine.command(topology, server, by_name),
+                probes=tuple(engine.probes(topology, server, by_name)),
             )
         )
     router_env = tuple(base_env(topology, ROUTER, ()))
@@ -195,6 +205,7 @@ def make_plan(loaded: LoadedTopology) -> LaunchPlan:
             ports=tuple(router_slots(topology)),
             env=router_env,
             command=router_command(topology, slot_maps),
+            probes=tuple(router_probes(topology)),
         )
     )
     return LaunchPlan(loaded, tuple(processes), requirements(topology), loaded.warnings)

@@ -1,8 +1,8 @@
 """A run whose processes live on the nodes of a Ray cluster (`launcher: ray`).
 
-`Run(plan)` returns a RayRun when the topology says `launcher: ray`; everything
-above the launcher (up, status, logs, down, verify, nightly, the benchmarks) is the
-same. What differs is where processes start and how they are reached: see
+`make_run(plan)` (launcher.py) makes a RayRun when the topology says `launcher:
+ray`; everything above the launcher (up, status, logs, down, verify, nightly, the
+benchmarks) is the same. What differs is where processes start and how they are reached: see
 ray_launcher.py. Readiness, the canary, fail-fast on an exit (with the log tail,
 fetched from the node when it is another host) and the listener check are the
 local launcher's.

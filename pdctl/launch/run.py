@@ -1,13 +1,12 @@
-"""One run of a topology: allocate ports, spawn every process, wait until it really serves.
+"""One run of a topology on this host: allocate ports, spawn every process, stop them.
 
-Readiness is layered, per process: `starting` (spawned) -> `alive` (still running)
--> `healthy` (its /health answers 200) -> `ready` (prefill: its bootstrap endpoint
-answers; decode: it reports its KV pool; router: it reports a healthy prefill and
-decode). The run is ready once every process is, and a 1-token canary request
-through the router came back. A process that exits at any point fails the run at
-once with its role, exit status and log tail; so does the start-up timeout, naming
-what was not ready. `stop` ends every process group this run started, and checks
-that nothing of it is left.
+`start` allocates every listener and spawns the processes (servers first, the router
+last), each in its own process group with its own log; `wait_ready` runs the layered
+readiness of `readiness.py` (the engines' probes, then a canary through the router);
+`start_reference` adds the colocated reference server (`reference.py`); `stop` ends
+every process group this run started and checks that nothing of it is left. Where
+processes start is a plug point (`launcher.py`): this class is the local launcher,
+`ray_run.RayRun` the Ray one.
 """
 
 from __future__ import annotations
@@ -19,50 +18,24 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from pdctl.engines.base import render_command
-from pdctl.errors import LaunchError
 from pdctl.launch import state as run_state
 from pdctl.launch.listeners import Listener, listeners
 from pdctl.launch.loopback import confine, is_loopback
 from pdctl.launch.plan import LaunchPlan, ProcessPlan
 from pdctl.launch.ports import Allocation, allocate
-from pdctl.launch.processes import Spawned, spawn, start_time, stop_groups
-from pdctl.topology.resolve import FAULTS_VAR, RUN_ID_VAR, RUN_SECRET_VAR, faults_of
+from pdctl.launch.processes import spawn, start_time, stop_groups
+from pdctl.launch.readiness import wait_ready
+from pdctl.launch.reference import start_reference
+from pdctl.launch.stages import STAGES, LaunchFailed, ProcessState
+from pdctl.topology.resolve import RUN_ID_VAR, RUN_SECRET_VAR
 
-STAGES = ("starting", "alive", "healthy", "ready")
-CANARY = {"text": "pdctl canary", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-
-
-class LaunchFailed(LaunchError):
-    """The run could not come up; `report` says which process and why (with its log)."""
-
-    def __init__(self, message: str, report: str = "") -> None:
-        super().__init__(message + (f"\n{report}" if report else ""))
-        self.summary = message
-        self.report = report
-
-
-@dataclass
-class ProcessState:
-    plan: ProcessPlan
-    url: str
-    spawned: Spawned | None = None
-    stage: str = "starting"
-    since: float = field(default_factory=time.monotonic)
-    detail: str = ""
-
-    def advance(self, stage: str, detail: str = "") -> bool:
-        self.detail = detail
-        if STAGES.index(stage) > STAGES.index(self.stage):
-            self.stage, self.since = stage, time.monotonic()
-            return True
-        return False
+__all__ = ["STAGES", "LaunchFailed", "ProcessState", "Run", "run_name"]
 
 
 def run_name(plan: LaunchPlan) -> str:
@@ -70,12 +43,7 @@ def run_name(plan: LaunchPlan) -> str:
 
 
 class Run:
-    def __new__(cls, plan: LaunchPlan, *args: Any, **kwargs: Any) -> Run:
-        if cls is Run and plan.topology.launcher.kind == "ray":
-            from pdctl.launch.ray_run import RayRun
-
-            return super().__new__(RayRun)
-        return super().__new__(cls)
+    """A run on this host (the local launcher)."""
 
     def __init__(
         self,
@@ -230,29 +198,7 @@ class Run:
         self, timeout: float | None = None, on_change: Callable[[Run], None] | None = None
     ) -> None:
         """Block until the run serves; raise LaunchFailed (the run is then stopped)."""
-        limit = timeout if timeout is not None else self.plan.topology.launcher.startup_timeout_s
-        deadline = time.monotonic() + limit
-        client = httpx.Client(timeout=2.0)
-        try:
-            while True:
-                changed = self._poll(client)
-                if changed and on_change is not None:
-                    on_change(self)
-                if all(s.stage == "ready" for s in self.states):
-                    self._canary(deadline)
-                    self._check_listeners()
-                    if on_change is not None:
-                        on_change(self)
-                    break
-                if time.monotonic() > deadline:
-                    waiting = [s for s in self.states if s.stage != "ready"]
-                    report = "\n\n".join(self._describe(s) for s in waiting)
-                    names = ", ".join(f"{s.plan.name} ({s.stage})" for s in waiting)
-                    self.stop()
-                    raise LaunchFailed(f"not ready within {limit:g} s: {names}", report)
-                time.sleep(0.1)
-        finally:
-            client.close()
+        wait_ready(self, timeout, on_change)
         if self.allocation is not None:
             self.allocation.release()
         self.write_state()
@@ -300,7 +246,7 @@ class Run:
         """Each process's listening TCP sockets (every rank of its process group)."""
         return {s.plan.name: listeners(s.spawned.pid) for s in self.states if s.spawned}
 
-    def _check_listeners(self) -> None:
+    def check_listeners(self) -> None:
         for name, found in self.listeners().items():
             if not is_loopback(self.host_of(name)):
                 continue
@@ -311,7 +257,7 @@ class Run:
                     f"although its host is {self.host_of(name)}"
                 )
 
-    def _describe(self, state: ProcessState) -> str:
+    def describe(self, state: ProcessState) -> str:
         assert state.spawned is not None
         lines = [f"--- {state.plan.name} ({state.plan.role}), log {state.spawned.log_path}"]
         if state.detail:
@@ -326,128 +272,16 @@ class Run:
             assert state.spawned is not None
             how = state.spawned.exit_description()
             if how is not None:
-                report = self._describe(state)
+                report = self.describe(state)
                 self.stop()
                 raise LaunchFailed(
                     f"{state.plan.name} ({state.plan.role}, pid {state.spawned.pid}) {how}",
                     report,
                 )
 
-    def _poll(self, client: httpx.Client) -> bool:
-        self.check_exits()
-        changed = False
-        for state in self.states:
-            if state.stage == "ready":
-                continue
-            changed |= state.advance("alive")
-            try:
-                response = client.get(f"{state.url}/health")
-            except httpx.HTTPError as exc:
-                state.detail = f"/health: {type(exc).__name__}"
-                continue
-            if response.status_code != 200:
-                state.detail = f"/health answered {response.status_code}"
-                continue
-            changed |= state.advance("healthy")
-            problem = self._role_ready(client, state)
-            if problem is None:
-                changed |= state.advance("ready")
-            else:
-                state.detail = problem
-        return changed
-
-    def _role_ready(self, client: httpx.Client, state: ProcessState) -> str | None:
-        """None when the role can do its part of a PD request, else what it lacks."""
-        role = state.plan.role
-        auth = {"authorization": f"Bearer {self.secret}"}
-        try:
-            if role == "prefill" and f"{state.plan.name}.bootstrap" in self.ports:
-                port = self.ports[f"{state.plan.name}.bootstrap"]
-                host = self.host_of(state.plan.name)
-                response = client.get(f"http://{host}:{port}/bootstrap/info", headers=auth)
-                if response.status_code != 200:
-                    return f"bootstrap endpoint answered {response.status_code}"
-            elif role in ("decode", "encoder", "colocated"):
-                response = client.get(f"{state.url}/get_server_info")
-                if response.status_code != 200:
-                    return f"/get_server_info answered {response.status_code}"
-            elif role == "router" and self.plan.topology.router.kind == "builtin":
-                info = client.get(f"{state.url}/get_server_info").json()
-                if not info.get("ready"):
-                    return "no healthy prefill and decode worker yet"
-        except (httpx.HTTPError, ValueError) as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return None
-
-    def _canary(self, deadline: float) -> None:
-        """A 1-token request through the router: the proof that the run serves."""
-        router = self.state("router")
-        problem = ""
-        while True:
-            self.check_exits()
-            started = time.monotonic()
-            try:
-                response = httpx.post(f"{self.router_url}/generate", json=CANARY, timeout=30)
-                if response.status_code == 200:
-                    body = response.json()
-                    self.canary = {
-                        "ms": round((time.monotonic() - started) * 1e3, 1),
-                        "output_ids": body.get("output_ids"),
-                        "kv_transfer": body.get("meta_info", {}).get("kv_transfer"),
-                    }
-                    return
-                problem = f"canary request answered {response.status_code}: {response.text[:300]}"
-            except httpx.HTTPError as exc:
-                problem = f"canary request failed: {type(exc).__name__}: {exc}"
-            router.detail = problem
-            if time.monotonic() > deadline:
-                report = "\n\n".join(self._describe(s) for s in self.states)
-                self.stop()
-                raise LaunchFailed(problem, report)
-            time.sleep(0.25)
-
     def start_reference(self, tp: int = 1, timeout: float = 120.0) -> str:
-        """A colocated server of the same model (embedded engine), healthy; its URL."""
-        from pdctl.engines.base import PortSlot
-        from pdctl.engines.embedded import reference_command
-
-        slots = [PortSlot("reference", "http", "colocated reference server")]
-        if tp > 1:
-            slots.append(PortSlot("reference", "dist", "reference rendezvous"))
-        ports = allocate(slots, self.host)
-        argv = reference_command(
-            self.plan.topology, ports.ports["reference.http"], ports.ports.get("reference.dist"), tp
-        )
-        self.dir.mkdir(parents=True, exist_ok=True)
-        plan = ProcessPlan("reference", "colocated", 0, (), tuple(slots), (), ())
-        state = ProcessState(plan, f"http://{self.host}:{ports.ports['reference.http']}")
-        env = {**self.parent_env, "PDCTL_LOG_DIR": str(self.dir), "PDCTL_PROCESS_NAME": "reference"}
-        faults = faults_of(self.plan.topology, "colocated")  # engine faults: the reference too
-        if faults:
-            env[FAULTS_VAR] = json.dumps(faults)
-        confine(env, self.host)
-        state.spawned = spawn(
-            "reference", argv, env, self.dir / "reference-tp0.log", die_with_parent=not self.detach
-        )
-        self.states.append(state)
-        deadline = time.monotonic() + timeout
-        while True:
-            self.check_exits()
-            try:
-                if httpx.get(f"{state.url}/health", timeout=2).status_code == 200:
-                    state.advance("ready")
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                report = self._describe(state)
-                self.stop()
-                raise LaunchFailed(
-                    f"the reference server was not healthy within {timeout:g} s", report
-                )
-            time.sleep(0.1)
-        ports.release()
-        return state.url
+        """A colocated server of the same engine and model, ready; its URL."""
+        return start_reference(self, tp, timeout)
 
     # -- stop ------------------------------------------------------------------------
     def stop(self, grace: float = 5.0) -> list[str]:

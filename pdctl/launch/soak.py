@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from pdctl.launch.bench import variant
+from pdctl.launch.launcher import make_run
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.processes import group_members
 from pdctl.launch.requirements import unmet
@@ -152,7 +153,7 @@ def bench_soak(
                 skipped[backend] = "; ".join(problems)
                 continue
             progress(f"{backend}: starting {base.name} (staging ring {pool_mb:g} MiB per rank)")
-            with Run(plan).serving() as run:
+            with make_run(plan).serving() as run:
                 row = {"transport": backend}
                 row.update(
                     soak_one(run, prompts, requests, concurrency, new_tokens, seed, progress)

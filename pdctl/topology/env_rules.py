@@ -29,7 +29,6 @@ KNOWN_VALUES: dict[str, tuple[str, ...]] = {
 DERIVED_BY_PDCTL: dict[str, str] = {
     "SGLANG_DISAGG_STAGING_BUFFER": "transfer.staging.enabled",
     "SGLANG_DISAGG_STAGING_POOL_SIZE_MB": "transfer.staging.pool_size_mb",
-    "SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB": "transfer.staging.segment_size_mb",
     "SGLANG_DISAGGREGATION_NIXL_BACKEND": "transfer.nixl_backend",
 }
 # Mooncake engages TENT whenever one of these is set, to any value: "0" turns it ON

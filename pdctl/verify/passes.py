@@ -140,9 +140,11 @@ def prefix_hit(ctx: Context, result: PassResult) -> None:
         result.skipped = "the workload has no prefix family"
         return
     result.notes += flush(ctx.client, ctx.target.decode_urls)  # prefill keeps its radix cache
+    # families some earlier pass served whole: their prefix must be in prefill's cache
+    served = {r.prompt.family for run in ctx.passes for r in run.results if r.ok}
     _serially(ctx, result, ctx.target.router_url, family)
     for answer in result.results:
-        if answer.ok and answer.cached_tokens <= 0:
+        if answer.ok and answer.cached_tokens <= 0 and answer.prompt.family in served:
             ctx.findings.append(
                 Finding(
                     result.name,

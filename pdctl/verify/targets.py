@@ -17,6 +17,7 @@ import httpx
 
 from pdctl.errors import LaunchError, UsageError
 from pdctl.launch import state
+from pdctl.launch.launcher import make_run
 from pdctl.launch.plan import LaunchPlan, load_checked, make_plan
 from pdctl.launch.run import Run
 from pdctl.topology.issues import TopologyError
@@ -62,7 +63,7 @@ class Target:
 
     def _reference_host(self) -> Run:
         assert self._plan is not None
-        return Run(self._plan)
+        return make_run(self._plan)
 
     def close(self) -> None:
         if self._reference_run is not None:
@@ -82,7 +83,7 @@ class LaunchedTarget(Target):
 
     def __init__(self, plan: LaunchPlan) -> None:
         super().__init__("", [], [], plan)
-        self.run = Run(plan)
+        self.run = make_run(plan)
 
     def start(self, timeout: float | None) -> None:
         self.run.start()

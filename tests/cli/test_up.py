@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -262,7 +263,8 @@ def test_catalog_accelerator_topologies_skip_cleanly(
     assert result.returncode == 4, result.stderr
     assert f"{name} cannot run on this machine: needs " in result.stderr
     assert f"needs {devices} device(s), this machine has 0" in result.stderr
-    if name.startswith("xpu"):
-        assert "needs the Python module sglang (engine: sglang)" in result.stderr
+    if name.startswith("xpu"):  # make installs SGLang (its parser, for the contract tests)
+        missing = importlib.util.find_spec("sglang") is None
+        assert ("needs the Python module sglang (engine: sglang)" in result.stderr) is missing
     assert "Traceback" not in result.stderr
     assert runs(env) == []

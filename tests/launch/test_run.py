@@ -98,25 +98,35 @@ import json, sys
 from pdctl.engines.base import PortSlot
 from pdctl.launch.ports import allocate
 got = allocate([PortSlot("p", f"s{i}", "test") for i in range(40)], "127.0.0.1")
-print(json.dumps(sorted(got.ports.values())))
+print(json.dumps(sorted(got.ports.values())), flush=True)
+sys.stdin.read()  # alive until told: a dead holder's reservations lapse, as they should
 """
 
 
 def test_pdctl_processes_allocating_at_once_never_share_a_port(tmp_path: Path) -> None:
-    """Six processes allocate 40 ports each at the same moment, none binding them: the
-    host lock and the reservation table keep every port distinct."""
+    """Six live processes allocate 40 ports each at the same moment, none binding them:
+    the host lock and the reservation table keep every port distinct. (Each stays alive
+    until all have allocated: reservations of a process that died are free again.)"""
     env = {**os.environ, "PDCTL_PORTS_DIR": str(tmp_path / "ports")}
     children = [
         subprocess.Popen(
-            [sys.executable, "-c", ALLOCATE], env=env, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", ALLOCATE],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         for _ in range(6)
     ]
     seen: list[int] = []
-    for child in children:
-        out, _ = child.communicate(timeout=120)
-        assert child.returncode == 0
-        seen += json.loads(out)
+    try:
+        for child in children:
+            assert child.stdout is not None
+            seen += json.loads(child.stdout.readline())
+    finally:
+        for child in children:
+            child.communicate(timeout=120)  # closes stdin: the child ends
+    assert all(child.returncode == 0 for child in children)
     assert len(seen) == 240 and len(set(seen)) == 240
 
 

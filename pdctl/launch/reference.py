@@ -1,0 +1,74 @@
+"""The colocated reference server of a run: the same engine and model, no PD.
+
+verify compares PD with it (the reference pass) and reproduces divergences on it
+with no KV transfer at all (the control before blame). The engine says what the
+server is (`Engine.reference`: its ports, command and probes); this module starts it
+as one more process of the run, so it is stopped with the run, and waits for it.
+Engine faults (perturb-prefix-hit) reach it as they reach the engine's PD servers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING
+
+import httpx
+
+from pdctl.engines import get_engine
+from pdctl.engines.base import render_command
+from pdctl.launch.loopback import confine
+from pdctl.launch.plan import ProcessPlan
+from pdctl.launch.ports import allocate
+from pdctl.launch.processes import spawn
+from pdctl.launch.readiness import check
+from pdctl.launch.stages import LaunchFailed, ProcessState
+from pdctl.topology.resolve import FAULTS_VAR, faults_of
+
+if TYPE_CHECKING:
+    from pdctl.launch.run import Run
+
+
+def start_reference(run: Run, tp: int = 1, timeout: float = 120.0) -> str:
+    """Start the reference next to `run`'s processes; its URL once its probes answer."""
+    topology = run.plan.topology
+    spec = get_engine(topology.engine).reference(topology, tp)
+    ports = allocate(list(spec.slots), run.host)
+    plan = ProcessPlan("reference", "colocated", 0, (), spec.slots, (), spec.command, spec.probes)
+    state = ProcessState(plan, f"http://{run.host}:{ports.ports['reference.http']}")
+    env = {**run.parent_env, "PDCTL_LOG_DIR": str(run.dir), "PDCTL_PROCESS_NAME": "reference"}
+    faults = faults_of(topology, "colocated")  # engine faults: the reference has them too
+    if faults:
+        env[FAULTS_VAR] = json.dumps(faults)
+    confine(env, run.host)
+    run.dir.mkdir(parents=True, exist_ok=True)
+    argv = render_command(spec.command, ports.ports)
+    state.spawned = spawn(
+        "reference", argv, env, run.dir / "reference-tp0.log", die_with_parent=not run.detach
+    )
+    run.states.append(state)
+    try:
+        _wait(run, state, ports.ports, timeout)
+    finally:
+        ports.release()
+    return state.url
+
+
+def _wait(run: Run, state: ProcessState, ports: dict[str, int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0) as client:
+        while True:
+            run.check_exits()
+            problems = [check(run, client, p, ports) for p in state.plan.probes]
+            if not any(problems):
+                state.advance("ready")
+                return
+            state.detail = next(p for p in problems if p)
+            if time.monotonic() > deadline:
+                report = run.describe(state)
+                run.stop()
+                raise LaunchFailed(
+                    f"the reference server was not ready within {timeout:g} s ({state.detail})",
+                    report,
+                )
+            time.sleep(0.1)
