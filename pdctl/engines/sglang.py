@@ -30,7 +30,6 @@ from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import EnvEntry, ServerLayout, merged_user_env, role_spec
 
-
 SUPPORTED = "0.5.23"  # the release the contract tests check against (tests/engines)
 
 
