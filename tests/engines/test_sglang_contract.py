@@ -9,43 +9,54 @@ endpoint pdctl probes or verify calls is in the route tables of the installed
 package's servers. Those tables are read from the package's source: importing its
 servers needs torchvision (through sglang.srt.configs), whose operators do not load
 beside the CPU torch, and tvm_ffi, so no SGLang server runs here (docs/sglang.md).
-A flag SGLang renames fails here, not on a user's GPU box.
+SGLang itself is imported only in a child process (`sglang_probe.py`): importing it
+changes process-wide Triton state the other tests rely on. A flag SGLang renames
+fails here, not on a user's GPU box.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
-import importlib.metadata
+import importlib.util
 import itertools
-from collections.abc import Iterator
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
-
-import pytest
-import sglang
-from sglang.srt.environ import envs
-from sglang.srt.server_args import ServerArgs
 
 from pdctl.engines import get_engine
 from pdctl.engines.base import PortRef, render_command
 from pdctl.engines.sglang import SUPPORTED
-from pdctl.launch.plan import LaunchPlan, load_checked, make_plan
+from pdctl.launch.plan import LaunchPlan, ProcessPlan, load_checked, make_plan
 from tests.conftest import CATALOG, REMOVE
 
-SOURCE = Path(sglang.__file__).parent / "srt"
+_SPEC = importlib.util.find_spec("sglang")  # found, never imported in this process
+assert _SPEC is not None and _SPEC.origin, "sglang is not installed: run `make setup`"
+SOURCE = Path(_SPEC.origin).parent / "srt"
+PROBE = Path(__file__).with_name("sglang_probe.py")
 SGLANG_TOPOLOGIES = [p for p in CATALOG if "engine: sglang" in p.read_text()]
+GRID = list(
+    itertools.product(
+        [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4)],  # prefill TP, decode TP
+        [("mooncake", "tcp"), ("mooncake", "rdma"), ("nixl", None)],
+        [True, False],  # staging
+        ["cuda", "xpu"],
+        [1, 2],  # decode replicas
+        [True, False],  # deterministic
+    )
+)
 
 
-def test_the_pinned_sglang_is_the_one_installed() -> None:
-    assert importlib.metadata.version("sglang") == SUPPORTED
-    assert SGLANG_TOPOLOGIES, "the catalog has SGLang topologies to check"
-
-
-def parse(argv: list[str]) -> ServerArgs:
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    return ServerArgs.from_cli_args(parser.parse_args(argv))
+def ask_sglang(argvs: list[list[str]], env: list[tuple[str, str]]) -> dict[str, Any]:
+    """SGLang's parser and environment table, in a child process (sglang_probe.py)."""
+    request = json.dumps({"argvs": argvs, "env": env})
+    done = subprocess.run([sys.executable, str(PROBE)], input=request, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer: dict[str, Any] = json.loads(done.stdout)
+    assert answer["version"] == SUPPORTED  # the pinned release is the one installed
+    return answer
 
 
 def fake_ports(command: Any) -> dict[str, int | str]:
@@ -61,47 +72,52 @@ def sglang_argv(command: Any) -> tuple[list[str], dict[str, int | str]]:
     return argv[3:], ports
 
 
-def servers(plan: LaunchPlan) -> Iterator[Any]:
-    return (p for p in plan.processes if p.role != "router")
-
-
-def check_process(plan: LaunchPlan, process: Any) -> None:
+def expected(plan: LaunchPlan, process: ProcessPlan, ports: dict[str, Any]) -> dict[str, Any]:
+    """What ServerArgs must hold for this process, from the topology."""
     topology = plan.topology
-    argv, ports = sglang_argv(process.command)
-    args = parse(argv)  # SGLang's own parser and ServerArgs: a renamed flag fails here
-    assert args.port == ports[f"{process.name}.http"]
-    assert args.disaggregation_mode == process.role
-    assert args.disaggregation_transfer_backend == topology.transfer.backend
-    assert args.tp_size == len(process.ranks) and args.device == topology.device
-    assert args.page_size == topology.serving.page_size
-    assert args.chunked_prefill_size == topology.serving.chunked_prefill_tokens
-    assert args.enable_deterministic_inference is topology.serving.deterministic
+    fields: dict[str, Any] = {
+        "port": ports[f"{process.name}.http"],
+        "disaggregation_mode": process.role,
+        "disaggregation_transfer_backend": topology.transfer.backend,
+        "tp_size": len(process.ranks),
+        "device": topology.device,
+        "page_size": topology.serving.page_size,
+        "chunked_prefill_size": topology.serving.chunked_prefill_tokens,
+        "enable_deterministic_inference": topology.serving.deterministic,
+    }
     if process.role == "prefill":
-        assert args.disaggregation_bootstrap_port == ports[f"{process.name}.bootstrap"]
-    for entry in process.env:
-        if entry.name.startswith("SGLANG_"):
-            variable = getattr(envs, entry.name, None)
-            assert variable is not None, f"SGLang {SUPPORTED} has no {entry.name}"
-            variable.parse(entry.value)  # the value is one SGLang reads
+        fields["disaggregation_bootstrap_port"] = ports[f"{process.name}.bootstrap"]
+    return fields
 
 
-@pytest.mark.parametrize("path", SGLANG_TOPOLOGIES, ids=[p.stem for p in SGLANG_TOPOLOGIES])
-def test_catalog_commands_parse_with_sglangs_parser(path: Path) -> None:
-    plan = make_plan(load_checked(path))
-    for process in servers(plan):
-        check_process(plan, process)
+def check_plans(plans: list[LaunchPlan], references: bool = False) -> None:
+    """Every server command of `plans` (and each one's reference) through SGLang."""
+    argvs: list[list[str]] = []
+    wanted: list[dict[str, Any]] = []
+    env: list[tuple[str, str]] = []
+    for plan in plans:
+        for process in (p for p in plan.processes if p.role != "router"):
+            argv, ports = sglang_argv(process.command)
+            argvs.append(argv)
+            wanted.append(expected(plan, process, ports))
+            env += [(e.name, e.value) for e in process.env if e.name.startswith("SGLANG_")]
+        if references:
+            reference = get_engine("sglang").reference(plan.topology, tp=1)
+            argv, ports = sglang_argv(reference.command)
+            argvs.append(argv)
+            wanted.append({"disaggregation_mode": "null", "port": ports["reference.http"]})
+    answer = ask_sglang(argvs, sorted(set(env)))
+    for argv, want, got in zip(argvs, wanted, answer["parsed"], strict=True):
+        assert "error" not in got, f"SGLang {SUPPORTED} refuses {argv}: {got['error']}"
+        assert {k: got[k] for k in want} == want, argv
+    for variable in answer["env"]:
+        assert variable["known"], f"SGLang {SUPPORTED} has no {variable['name']}"
+        assert variable["error"] is None, variable
 
 
-GRID = list(
-    itertools.product(
-        [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4)],  # prefill TP, decode TP
-        [("mooncake", "tcp"), ("mooncake", "rdma"), ("nixl", None)],
-        [True, False],  # staging
-        ["cuda", "xpu"],
-        [1, 2],  # decode replicas
-        [True, False],  # deterministic
-    )
-)
+def test_catalog_commands_parse_with_sglangs_parser() -> None:
+    assert SGLANG_TOPOLOGIES, "the catalog has SGLang topologies to check"
+    check_plans([make_plan(load_checked(path)) for path in SGLANG_TOPOLOGIES], references=True)
 
 
 def grid_topology(make_topology: Any, case: tuple[Any, ...]) -> Path:
@@ -124,15 +140,21 @@ def grid_topology(make_topology: Any, case: tuple[Any, ...]) -> Path:
 def test_a_grid_of_topologies_parses_with_sglangs_parser(make_topology: Any) -> None:
     """TP sizes, backends, protocols, staging, devices, replicas, deterministic on and off:
     every server command and the reference's."""
-    for case in GRID:
-        plan = make_plan(load_checked(grid_topology(make_topology, case)))
-        for process in servers(plan):
-            check_process(plan, process)
-        reference = get_engine("sglang").reference(plan.topology, tp=case[0][0])
-        argv, ports = sglang_argv(reference.command)
-        args = parse(argv)
-        assert args.disaggregation_mode == "null" and args.port == ports["reference.http"]
-        assert args.model_path == "Qwen/Qwen2.5-1.5B-Instruct"
+    plans = [make_plan(load_checked(grid_topology(make_topology, case))) for case in GRID]
+    check_plans(plans, references=True)
+
+
+def test_a_renamed_flag_would_fail_here() -> None:
+    """The check can fail: SGLang refuses a flag it does not have, and a bad value."""
+    answer = ask_sglang(
+        [["--model-path", "m", "--disaggregation-staging-buffer-mb", "64"]],
+        [
+            ("SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB", "64"),
+            ("SGLANG_DISAGG_STAGING_POOL_SIZE_MB", "x"),
+        ],
+    )
+    assert "error" in answer["parsed"][0]
+    assert answer["env"][0]["known"] is False and answer["env"][1]["error"] is not None
 
 
 def decorated_routes(path: Path) -> dict[str, set[str]]:
@@ -177,7 +199,7 @@ def test_every_endpoint_pdctl_calls_is_one_sglang_serves(make_topology: Any) -> 
     assert bootstrap["/route"] == {"*"} and "GET" in bootstrap["/health"]  # the table was read
     case = ((1, 2), ("mooncake", "tcp"), True, "cuda", 1, True)
     plan = make_plan(load_checked(grid_topology(make_topology, case)))
-    for process in servers(plan):
+    for process in (p for p in plan.processes if p.role != "router"):
         for probe in process.probes:
             table = bootstrap if probe.port.key.endswith(".bootstrap") else http
             served = table.get(probe.path, set()) & {"GET", "*"}

@@ -158,6 +158,24 @@ def test_requirements_are_derived_from_backend_env_and_router(make_topology) -> 
     assert nixl.modules == ("nixl",) and nixl.capabilities == ("nixl.ucx",)
 
 
+def test_tent_is_asked_for_by_setting_the_variable_at_all(make_topology) -> None:
+    """Mooncake engages TENT whenever MC_USE_TENT or MC_USE_TEV1 is set: any setting pdctl
+    accepts requires the capability; "off" spellings are refused (tests/topology/bad)."""
+    mooncake = {"backend": "mooncake", "protocol": "tcp"}
+    legacy = make_topology(transfer=mooncake, roles={"decode": {"env": {"MC_USE_TEV1": "1"}}})
+    reqs = requirements(load_checked(legacy).topology)
+    assert (
+        reqs.capabilities == ("mooncake.tent",) and "MC_USE_TEV1" in reqs.reasons["mooncake.tent"]
+    )
+    odd = load_checked(make_topology(transfer=mooncake, env={"MC_USE_TENT": "yes please"}))
+    assert requirements(odd.topology).capabilities == ("mooncake.tent",)
+    assert [w.message for w in odd.warnings] == [
+        "MC_USE_TENT='yes please' asks for TENT (Mooncake reads only whether it is set)"
+    ]
+    unset = requirements(load_checked(make_topology(transfer=mooncake)).topology)
+    assert unset.capabilities == ()
+
+
 def test_env_for_another_backend_is_a_warning(make_topology) -> None:
     loaded = load_checked(make_topology(env={"MC_USE_TENT": "1"}))
     assert [w.message for w in loaded.warnings] == [

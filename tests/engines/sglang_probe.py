@@ -1,0 +1,65 @@
+"""Run in its own process by test_sglang_contract.py: SGLang's parser and env table.
+
+Importing sglang changes process-wide state (it imports Triton and registers its own
+kernels, which breaks the Triton interpreter for the tests that run after it in the
+same worker), so the contract tests ask this child instead. stdin: {"argvs": [[...]],
+"env": [[name, value], ...]}; stdout: what SGLang made of each, as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import io
+import json
+import sys
+
+FIELDS = (
+    "model_path", "host", "port", "disaggregation_mode", "disaggregation_transfer_backend",
+    "disaggregation_bootstrap_port", "disaggregation_ib_device", "tp_size", "base_gpu_id",
+    "device", "nccl_port", "dist_init_addr", "page_size", "max_running_requests",
+    "chunked_prefill_size", "max_total_tokens", "disable_overlap_schedule",
+    "enable_deterministic_inference", "dtype", "random_seed",
+)  # fmt: skip
+
+
+def parse(argv: list[str]) -> dict[str, object]:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="sglang.launch_server", exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    except (SystemExit, argparse.ArgumentError, Exception) as exc:
+        return {"error": f"{type(exc).__name__}: {exc} {errors.getvalue().strip()[-300:]}"}
+    return {field: getattr(args, field, None) for field in FIELDS}
+
+
+def check_env(name: str, value: str) -> dict[str, object]:
+    from sglang.srt.environ import envs
+
+    variable = getattr(envs, name, None)
+    if variable is None:
+        return {"name": name, "known": False, "error": None}
+    try:
+        variable.parse(value)
+    except Exception as exc:
+        return {"name": name, "known": True, "error": f"{type(exc).__name__}: {exc}"}
+    return {"name": name, "known": True, "error": None}
+
+
+def main() -> None:
+    request = json.load(sys.stdin)
+    answer = {
+        "version": importlib.metadata.version("sglang"),
+        "parsed": [parse(argv) for argv in request.get("argvs", [])],
+        "env": [check_env(name, value) for name, value in request.get("env", [])],
+    }
+    json.dump(answer, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
