@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 from pdctl.engines.base import Arg, PortRef, PortSlot
 
-STAGES = ("healthy", "ready")
-
 
 @dataclass(frozen=True)
 class Probe:
@@ -37,15 +35,6 @@ class Probe:
         extra = f", {self.ready_field} true" if self.ready_field else ""
         extra += ", with the run's secret" if self.auth else ""
         return f"{self.stage}: GET {self.url(ports)} ({self.what}{extra})"
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "stage": self.stage,
-            "what": self.what,
-            "url": self.url(),
-            "auth": self.auth,
-            "ready_field": self.ready_field,
-        }
 
 
 def health(host: PortRef, slots: Mapping[str, PortSlot], path: str = "/health") -> Probe:
