@@ -129,15 +129,8 @@ def _classify(
     in_run: Result,
     deterministic: bool,
 ) -> None:
-    if not (in_base.ok and in_run.ok) or in_base.output_ids != base.output_ids:
-        why = (
-            in_base.error
-            or in_run.error
-            or (
-                f"in the baseline's own cache state it gives {in_base.output_ids[:8]}..., "
-                "not the baseline's tokens"
-            )
-        )
+    why = _inconclusive(base, run, in_base, in_run)
+    if why is not None:
         finding.message += f"; the control is inconclusive ({why}): nothing is blamed"
         return
     if in_run.output_ids == base.output_ids:
@@ -162,6 +155,25 @@ def _classify(
             else f"reported, not failed ({MODE_HINT})"
         )
     )
+
+
+def _inconclusive(base: Result, run: Result, in_base: Result, in_run: Result) -> str | None:
+    """Why the control says nothing, if it does not: it failed, it did not reach the same
+    cache state, or the reference disagrees with the baseline in its own state."""
+    if not (in_base.ok and in_run.ok):
+        return in_base.error or in_run.error or "the control's request failed"
+    for what, wanted, got in (("baseline", base, in_base), ("diverging run", run, in_run)):
+        if got.cached_tokens != wanted.cached_tokens:
+            return (
+                f"in the {what}'s state it found {got.cached_tokens} cached tokens, "
+                f"the {what} {wanted.cached_tokens}"
+            )
+    if in_base.output_ids != base.output_ids:
+        return (
+            f"in the baseline's own cache state it gives {in_base.output_ids[:8]}..., not the "
+            "baseline's tokens"
+        )
+    return None
 
 
 def _reference_is_its_own_control(finding: Finding) -> None:

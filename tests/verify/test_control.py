@@ -32,8 +32,8 @@ class ScriptedEngine:
     """A colocated server with a page-aligned prefix cache; `numerics` shifts the first
     token of every prompt computed on a cache hit, `offset` every token of every answer."""
 
-    def __init__(self, numerics: bool = False, offset: int = 0) -> None:
-        self.numerics, self.offset = numerics, offset
+    def __init__(self, numerics: bool = False, offset: int = 0, caches: bool = True) -> None:
+        self.numerics, self.offset, self.caches = numerics, offset, caches
         self.cache: set[tuple[int, ...]] = set()
         self.requests: list[tuple[int, int]] = []  # (prompt length, cached tokens)
 
@@ -48,7 +48,8 @@ class ScriptedEngine:
         answer = [t + self.offset for t in tokens(ids, body["sampling_params"]["max_new_tokens"])]
         if self.numerics and cached:
             answer[0] += 1
-        self.cache.add(tuple(ids[: len(ids) // PAGE * PAGE]))
+        if self.caches:
+            self.cache.add(tuple(ids[: len(ids) // PAGE * PAGE]))
         self.requests.append((len(ids), cached))
         meta = {"cached_tokens": cached}
         return httpx.Response(200, json={"output_ids": answer, "meta_info": meta})
@@ -113,6 +114,17 @@ def test_a_reference_that_disagrees_even_cold_blames_nothing() -> None:
     (finding,) = ctx.findings
     assert finding.classification == "unconfirmed"
     assert "inconclusive" in finding.message and "nothing is blamed" in finding.message
+
+
+def test_a_control_that_cannot_reach_the_runs_cache_state_blames_nothing() -> None:
+    """A reference without a prefix cache cannot stand in for a prefix-hit run: its
+    answer would agree with the baseline and blame PD falsely."""
+    ctx = context(ScriptedEngine(caches=False))
+    diverged(ctx)
+    apply_controls(ctx)
+    (finding,) = ctx.findings
+    assert finding.classification == "unconfirmed"
+    assert "found 0 cached tokens, the diverging run 32" in finding.message
 
 
 def test_without_a_reference_nothing_is_blamed() -> None:
