@@ -15,6 +15,8 @@ and the classification follows from what the control gives:
 
     control in the baseline state != baseline   inconclusive: the reference is not
                                                 comparable; the finding blames nothing
+    control found other cached tokens           inconclusive too: it did not reach the
+      than the baseline or the run              state it stands in for
     control in the run state == baseline        divergence: only PD diverges there
     control in the run state != baseline        engine-numerics: the engine diverges
                                                 with no transfer (the same way when it
