@@ -7,7 +7,9 @@
 # Python packages the machine lacks travel as wheels in .whl/ and .whl-gpu/ (the CUDA
 # Mooncake and NIXL wheels), Debian's libibverbs1 and libnl as .debs/ (unpacked to
 # /tmp/ibv, never to /): scripts/gpu_wheels.sh fills those folders. STAGES picks
-# parts: tests,bench,nightly,pd, and engine (the engine bench alone, deterministic and vendor modes side by side), sweep
+# parts: tests,bench,nightly,pd, transport (`pdctl bench transport --device`: every
+# transport between two processes in device memory, beside the device's copy), and
+# engine (the engine bench alone, deterministic and vendor modes side by side), sweep
 # (staging kernel variants, device-only and end to end) and invariance (vendor vs
 # Triton products across batch sizes and TP splits). One device call runs for at
 # most 10 minutes and brings back 8 files: split the stages over calls, e.g.
@@ -86,6 +88,19 @@ fi
 if has engine; then
   timeout 200 python3 -m pdctl.serve.bench --preset small --device "$DEVICE" --batches 1,8,32 \
     --new-tokens 32 --modes deterministic,vendor 2>&1 | tee "$OUT/engine.log" || status=1
+fi
+
+if has transport; then
+  timeout 200 python3 -m pdctl bench transport --device "$DEVICE" --json \
+    > "$OUT/bench-transport.json" 2> "$OUT/bench-transport.err" || status=1
+  python3 - "$OUT/bench-transport.json" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+for row in report["rows"]:
+    first = f", first {row['first_ms']:.2f} ms" if row.get("first_ms") is not None else ""
+    print(f"  {row['variant']:<24} {row['label']:<14} {row['gbps']:10.2f} GB/s  p50 {row['p50_ms']:.4f} ms{first}  ok {row['consistent']}")
+print("unavailable:", report["unavailable"], "targets:", report["targets"])
+PY
 fi
 
 if has sweep; then

@@ -82,30 +82,40 @@ def transport(
         Path | None, typer.Option(help="Also draw GB/s per size into this PNG (needs matplotlib).")
     ] = None,
     quick: Annotated[bool, typer.Option(help="Fewer sizes and repeats (a smoke run).")] = False,
+    device: Annotated[
+        str, typer.Option(help="Memory of this device on both sides: cpu, cuda, cuda:1, xpu...")
+    ] = "cpu",
     json: JsonOption = False,
     verbose: VerboseOption = 0,
     quiet: QuietOption = False,
 ) -> None:
-    """Each transport cross-process on loopback: GB/s, p50/p99, checked bytes, memcpy ceiling."""
+    """Each transport cross-process on loopback: GB/s, p50/p99, the first write, checked
+    bytes, beside the copy ceiling (memcpy, or the device's own copy)."""
     opts = options(ctx, json, verbose, quiet)
     from pdctl.staging.transport import bench as transport_bench
 
     sizes = (4096, 1 << 20, 64 << 20) if quick else transport_bench.SIZES
+    if device != "cpu" and not quick:
+        sizes = (*sizes, 1 << 30)
     report = transport_bench.run_transport_bench(
-        sizes=sizes, budget_bytes=(256 << 20) if quick else (2 << 30)
+        sizes=sizes, budget_bytes=(256 << 20) if quick else (2 << 30), device=device
     )
     if plot is not None:
         _plot(report, plot)
     if opts.json:
         console.emit_json(report)
         return
-    table = Table(title="transport bench, cross-process on loopback (write to completion)")
-    for column in ("variant", "size", "GB/s", "p50 ms", "p99 ms", "bytes ok"):
+    table = Table(
+        title=f"transport bench, {device} memory, cross-process on loopback (write to completion)"
+    )
+    for column in ("variant", "size", "GB/s", "p50 ms", "p99 ms", "first ms", "bytes ok"):
         table.add_column(column, justify="left" if column in ("variant", "size") else "right")
     for row in report["rows"]:
+        first = row.get("first_ms")
         table.add_row(
             row["variant"], row["label"], f"{row['gbps']:.2f}", f"{row['p50_ms']:.3f}",
-            f"{row['p99_ms']:.3f}", "yes" if row["consistent"] else "NO",
+            f"{row['p99_ms']:.3f}", "-" if first is None else f"{first:.3f}",
+            "yes" if row["consistent"] else "NO",
         )  # fmt: skip
     console.out.print(table)
     for variant, reason in report["unavailable"].items():

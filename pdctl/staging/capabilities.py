@@ -89,14 +89,27 @@ def _triton() -> dict[str, Any]:
 
 
 def _tcp() -> dict[str, Any]:
-    from pdctl.staging.transport import fastpath
+    from pdctl.staging.transport import device_ipc, fastpath
 
     ok, reason = fastpath.probe()
+    found = devices()
+    ipc = {kind: device_ipc.mechanism(kind) for kind in DEVICE_TYPES if found.get(kind)}
+    same_host = [f"{kind} over {name}" for kind, name in ipc.items() if name]
+    staged = [kind for kind, name in ipc.items() if not name]
+    vram = (
+        "VRAM ("
+        + "; ".join(
+            ([f"same host: {', '.join(same_host)}"] if same_host else [])
+            + [f"{', '.join(staged) or 'other devices'}: staged through host"]
+        )
+        + ")"
+    )
     return {
         "importable": True,
         "version": "builtin",
         "protocols": ["tcp"],
-        "memory_types": ["DRAM", "VRAM (staged through host)"],
+        "memory_types": ["DRAM", vram],
+        "device_ipc": ipc,
         "same_host_direct": ok,
         "detail": reason,
     }

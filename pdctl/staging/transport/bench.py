@@ -1,11 +1,13 @@
-"""Transport benchmark: each backend cross-process on loopback, beside a memcpy ceiling.
+"""Transport benchmark: each backend cross-process on loopback, beside a copy ceiling.
 
 For every size, a peer process (`peer.py`) holds the destination; this process
 writes from registered memory and times each write to completion (the bytes are in
 the peer's memory). GB/s is size / median latency; p50 and p99 latencies are
-reported. After the timed writes the peer hashes what it received, so every row
-carries a consistency check. The ceiling is a single-process memcpy of the same
-bytes, measured in the same run.
+reported, and the very first write (connections, mappings) separately. After the
+timed writes the peer hashes what it received, so every row carries a consistency
+check. Memory is the device's on both sides (`--device`); the ceiling is the same
+bytes copied in one process, measured in the same run: a memcpy on the CPU, the
+device's own copy elsewhere.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import ctypes
 import hashlib
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
+import torch
 
+from pdctl.staging import device as dev
 from pdctl.staging.transport import TransportConfig, TransportError, create_transport
 from pdctl.staging.transport.peer import PeerProcess
 
@@ -43,6 +47,7 @@ class Row:
     p50_ms: float
     p99_ms: float
     consistent: bool
+    first_ms: float | None = None  # the very first write (connections, IPC mappings)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,75 +91,115 @@ def memcpy_rows(sizes: tuple[int, ...], budget_bytes: int) -> list[Row]:
     return rows
 
 
-def variant_rows(variant: str, sizes: tuple[int, ...], budget_bytes: int) -> list[Row]:
+def device_copy_rows(device: str, sizes: tuple[int, ...], budget_bytes: int) -> list[Row]:
+    """The device's own copy of the same bytes, in this process: the ceiling there."""
+    target_device = torch.device(device)
+    source = _random_bytes(max(sizes), target_device, seed=1)
+    target = torch.ones_like(source)
+    rows = []
+    for size in sizes:
+        latencies = []
+        for _ in range(_iterations(size, budget_bytes) + 2):
+            start = time.perf_counter()
+            target[:size].copy_(source[:size])
+            dev.synchronize(target_device)
+            latencies.append(time.perf_counter() - start)
+        ok = bool(torch.equal(source[:size], target[:size]))
+        rows.append(_summary("device copy (ceiling)", _label(size), size, latencies[2:], ok))
+    return rows
+
+
+def _random_bytes(size: int, device: torch.device, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator).to(device)
+
+
+def _sha(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.cpu().numpy().tobytes()).hexdigest()
+
+
+def variant_rows(
+    variant: str, sizes: tuple[int, ...], budget_bytes: int, device: str = "cpu"
+) -> list[Row]:
+    """`variant` writing from `device` memory here into `device` memory of a peer."""
     backend, fast = VARIANTS[variant]
     capacity = max(max(sizes), BATCH[0] * BATCH[1] * 2)
-    source = np.random.default_rng(2).integers(0, 256, capacity, dtype=np.uint8)
+    source = _random_bytes(capacity, torch.device(device), seed=2)  # [capacity] bytes
     rows = []
-    with PeerProcess(backend, capacity, name="bench-peer", fast_path=fast, secret=SECRET) as peer:
+    with PeerProcess(
+        backend, capacity, device=device, name="bench-peer", fast_path=fast, secret=SECRET
+    ) as peer:
         writer = create_transport(
             backend, TransportConfig("bench-writer", secret=SECRET, same_host_fast_path=fast)
         )
         try:
-            writer.register(source.ctypes.data, source.nbytes)
+            writer.register_tensor(source)
             connection = writer.connect(peer.description)
-            base = np.uint64(source.ctypes.data)
-            for size in sizes:
-                src, dst, lengths = [int(base)], [peer.base], [size]
-                for _ in range(2):  # warm-up: connections, first touch
-                    writer.write(connection, src, dst, lengths)
+            base = source.data_ptr()
+            for index, size in enumerate(sizes):
+                src, dst, lengths = [base], [peer.base], [size]
+                first = time.perf_counter()
+                writer.write(connection, src, dst, lengths)  # the first: mappings, first touch
+                first_ms = (time.perf_counter() - first) * 1e3
+                writer.write(connection, src, dst, lengths)
                 latencies = []
                 for _ in range(_iterations(size, budget_bytes)):
                     start = time.perf_counter()
                     writer.write(connection, src, dst, lengths)
                     latencies.append(time.perf_counter() - start)
-                expected = hashlib.sha256(source[:size].tobytes()).hexdigest()
-                ok = peer.sha256(0, size) == expected
-                rows.append(_summary(variant, _label(size), size, latencies, ok))
-            count, each = BATCH
-            order = np.random.default_rng(3).permutation(2 * count)[:count].astype(np.uint64)
-            src_b = base + np.arange(count, dtype=np.uint64) * np.uint64(each)
-            dst_b = np.uint64(peer.base) + order * np.uint64(each)
-            lengths_b = np.full(count, each, dtype=np.uint64)
-            for _ in range(2):
-                writer.write(connection, src_b, dst_b, lengths_b)
-            latencies = []
-            for _ in range(_iterations(count * each, budget_bytes)):
-                start = time.perf_counter()
-                writer.write(connection, src_b, dst_b, lengths_b)
-                latencies.append(time.perf_counter() - start)
-            received = bytearray(2 * count * each)
-            for i, slot in enumerate(order.tolist()):
-                received[slot * each : (slot + 1) * each] = source[
-                    i * each : (i + 1) * each
-                ].tobytes()
-            ok = all(
-                peer.sha256(int(slot) * each, each)
-                == hashlib.sha256(
-                    bytes(received[int(slot) * each : (int(slot) + 1) * each])
-                ).hexdigest()
-                for slot in order[:16].tolist()
-            )
-            rows.append(_summary(variant, f"{count} x {_label(each)}", count * each, latencies, ok))
+                ok = peer.sha256(0, size) == _sha(source[:size])
+                row = _summary(variant, _label(size), size, latencies, ok)
+                rows.append(replace(row, first_ms=round(first_ms, 4) if index == 0 else None))
+            rows.append(_batch_row(variant, writer, connection, peer, source, budget_bytes))
         finally:
             writer.close()
     return rows
+
+
+def _batch_row(
+    variant: str, writer: Any, connection: Any, peer: PeerProcess, source: torch.Tensor,
+    budget_bytes: int,
+) -> Row:  # fmt: skip
+    """1024 scattered 4 KiB pieces in one write (page-sized KV writes)."""
+    count, each = BATCH
+    base = np.uint64(source.data_ptr())
+    order = np.random.default_rng(3).permutation(2 * count)[:count].astype(np.uint64)
+    src = base + np.arange(count, dtype=np.uint64) * np.uint64(each)
+    dst = np.uint64(peer.base) + order * np.uint64(each)
+    lengths = np.full(count, each, dtype=np.uint64)
+    for _ in range(2):
+        writer.write(connection, src, dst, lengths)
+    latencies = []
+    for _ in range(_iterations(count * each, budget_bytes)):
+        start = time.perf_counter()
+        writer.write(connection, src, dst, lengths)
+        latencies.append(time.perf_counter() - start)
+    ok = all(
+        peer.sha256(int(slot) * each, each) == _sha(source[i * each : (i + 1) * each])
+        for i, slot in enumerate(order[:16].tolist())
+    )
+    return _summary(variant, f"{count} x {_label(each)}", count * each, latencies, ok)
 
 
 def run_transport_bench(
     variants: list[str] | None = None,
     sizes: tuple[int, ...] = SIZES,
     budget_bytes: int = 2 << 30,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     chosen = variants or list(VARIANTS)
-    rows = memcpy_rows(sizes, budget_bytes)
+    if device == "cpu":
+        rows = memcpy_rows(sizes, budget_bytes)
+    else:
+        rows = device_copy_rows(device, sizes, budget_bytes)
     unavailable: dict[str, str] = {}
     for variant in chosen:
         try:
-            rows += variant_rows(variant, sizes, budget_bytes)
+            rows += variant_rows(variant, sizes, budget_bytes, device)
         except (TransportError, ConnectionError, TimeoutError) as exc:
             unavailable[variant] = str(exc).splitlines()[0][:300]
     return {
+        "device": device,
         "rows": [row.to_json() for row in rows],
         "unavailable": unavailable,
         "targets": targets(rows),
@@ -166,7 +211,7 @@ def targets(rows: list[Row], size: int = 64 * MIB) -> dict[str, Any]:
     at = {row.variant: row.gbps for row in rows if row.label == _label(size)}
     direct = at.get("tcp (same-host direct)")
     libraries = [at[v] for v in ("mooncake (tcp)", "nixl (ucx)") if v in at]
-    ceiling = at.get("memcpy (ceiling)")
+    ceiling = at.get("memcpy (ceiling)") or at.get("device copy (ceiling)")
     result: dict[str, Any] = {"size": _label(size)}
     if direct and libraries:
         result["direct_vs_best_library"] = round(direct / max(libraries), 2)

@@ -2,11 +2,13 @@
 
 No extra dependency. Each endpoint listens on its port; a writer opens
 authenticated connections to a peer (a small pool, so several threads can write to
-one peer at once). Within one host, when the kernel allows `process_vm_writev`
-(probed per connection, see `fastpath.py`), bytes go straight into the peer's
-memory and only the notification and the completion travel over TCP; otherwise
-every byte goes over the socket into the peer's registered memory. Device memory
-is staged through host memory on both sides.
+one peer at once). Within one host, host memory goes straight into the peer's
+memory when the kernel allows `process_vm_writev` (probed per connection, see
+`fastpath.py`), and device memory goes device to device through the device's own
+IPC (`device_ipc.py`: CUDA IPC; the peer's allocations are opened once, when it
+connects); only the notification and the completion travel over TCP then.
+Otherwise every byte goes over the socket into the peer's registered memory, device
+memory staged through host memory on both sides.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from pdctl.staging.transport import fastpath, wire
+from pdctl.staging import device as dev
+from pdctl.staging.transport import device_ipc, fastpath, wire
 from pdctl.staging.transport.base import (
     Descriptors,
     MemoryRegion,
@@ -114,6 +117,9 @@ class TcpTransport(Transport):
             config.connect_timeout_s,
         )  # fmt: skip
         self.pool = WritePool("tcp")
+        self.ipc_handles: dict[int, dict[str, Any]] = {}  # region ptr -> its device IPC handle
+        self.mapped = device_ipc.Mapped()  # peers' device allocations opened here
+        self._copy_streams: dict[str, Any] = {}  # device -> the stream device writes run on
         self._pools: dict[str, queue.LifoQueue[Connection]] = {}
         self._pool_sizes: dict[str, int] = {}
         self._pool_lock = threading.Lock()
@@ -129,13 +135,24 @@ class TcpTransport(Transport):
     def register_tensor(self, tensor: Any) -> MemoryRegion:
         region = super().register_tensor(tensor)
         self.table.add(region, self.tensors[region.ptr])
+        if self.config.same_host_fast_path:
+            handle = device_ipc.export(tensor)
+            if handle is not None:
+                self.ipc_handles[region.ptr] = handle
         return region
 
     def _deregister(self, region: MemoryRegion) -> None:
+        self.ipc_handles.pop(region.ptr, None)
         self.table.remove(region, self.config.transfer_timeout_s)
 
     def _describe(self) -> dict[str, Any]:
-        return {"host": self.config.host, "port": self.port, "host_id": fastpath.host_id()}
+        ipc = {str(ptr): handle for ptr, handle in self.ipc_handles.items()}
+        return {
+            "host": self.config.host,
+            "port": self.port,
+            "host_id": fastpath.host_id(),
+            "device_ipc": ipc,
+        }
 
     # -- connections -------------------------------------------------------------
     def _connect(self, name: str, regions: list[MemoryRegion], info: dict[str, Any]) -> Peer:
@@ -147,8 +164,28 @@ class TcpTransport(Transport):
         connection = Connection(self, peer)  # proves the peer is there and we are allowed in
         fast = self.config.same_host_fast_path
         peer.state["pid"] = connection.probe_fast_path() if fast else None
+        peer.state["device"] = self._open_device_regions(info, regions) if fast else {}
         self._release(peer, connection)
         return peer
+
+    def _open_device_regions(
+        self, info: dict[str, Any], regions: list[MemoryRegion]
+    ) -> dict[int, Any]:
+        """The peer's device regions mapped here (ptr -> tensor), when it is on this host
+        and its device is visible; an empty map keeps the staged path."""
+        handles = info.get("device_ipc")
+        if not isinstance(handles, dict) or info.get("host_id") != fastpath.host_id():
+            return {}
+        opened: dict[int, Any] = {}
+        for region in regions:
+            handle = handles.get(str(region.ptr))
+            if not isinstance(handle, dict):
+                continue
+            try:
+                opened[region.ptr] = self.mapped.open(handle)
+            except (RuntimeError, KeyError, TypeError, ValueError):
+                return {}  # another device mask, or no IPC: every byte staged, as before
+        return opened
 
     def fast_path(self, peer: Peer) -> bool:
         return peer.state.get("pid") is not None
@@ -216,7 +253,9 @@ class TcpTransport(Transport):
         src, dst, lengths = descriptors
         sock = connection.sock
         pid = peer.state.get("pid")
-        if (
+        if self._device_write(peer, src, dst, lengths):
+            pass  # device to device through the device's IPC; only the notice goes by TCP
+        elif (
             isinstance(pid, int)
             and self._host_memory(src, lengths)
             and self._peer_host_memory(peer, dst, lengths)
@@ -233,6 +272,38 @@ class TcpTransport(Transport):
         acked, _ = connection.expect(wire.ACK)
         if acked != sync_id:
             raise wire.ProtocolError(f"acknowledged {acked}, expected {sync_id}")
+
+    def _device_write(
+        self, peer: Peer, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray
+    ) -> bool:
+        """Copy device to device into the peer's mapped regions; False when any piece is
+        host memory or not mapped (then the other paths move it)."""
+        mapped: dict[int, Any] = peer.state.get("device") or {}
+        if not mapped:
+            return False
+        pieces = []
+        for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True):
+            region = next(r for r in self.regions if r.contains(s, n))
+            target = next((r for r in peer.regions if r.contains(d, n) and r.ptr in mapped), None)
+            if region.device_type == "cpu" or target is None:
+                return False
+            source = self.tensors[region.ptr][s - region.ptr : s - region.ptr + n]
+            pieces.append((mapped[target.ptr][d - target.ptr : d - target.ptr + n], source))
+        stream = self._copy_stream(pieces[0][1].device)
+        with dev.device_stream_context(stream):
+            for into, source in pieces:
+                into.copy_(source, non_blocking=True)
+        dev.synchronize_stream(stream)  # the bytes are in the peer's memory before the notice
+        return True
+
+    def _copy_stream(self, device: Any) -> Any:
+        """One stream per device for device writes: never queued behind this process's
+        other work on the default stream (the caller synchronized what it wrote)."""
+        key = str(device)
+        with self._pool_lock:
+            if key not in self._copy_streams:
+                self._copy_streams[key] = dev.create_device_stream(device)
+            return self._copy_streams[key]
 
     def _send_bytes(self, sock: socket.socket, address: int, length: int) -> None:
         region = next(r for r in self.regions if r.contains(address, length))
@@ -259,6 +330,7 @@ class TcpTransport(Transport):
     def _close(self) -> None:
         self.listener.close()
         self.pool.shutdown()
+        self.mapped.clear()
         with self._pool_lock:
             pools = list(self._pools.values())
             self._pools.clear()
