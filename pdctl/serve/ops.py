@@ -47,11 +47,6 @@ _mode = {"deterministic": True}  # set once per process, by the server at start-
 def set_deterministic(enabled: bool) -> None:
     """Fixed-order kernels (True, the default) or the vendor fast path, for this process."""
     _mode["deterministic"] = enabled
-    _triton_available.cache_clear()
-
-
-def deterministic() -> bool:
-    return _mode["deterministic"]
 
 
 @functools.lru_cache(maxsize=8)

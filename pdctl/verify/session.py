@@ -143,7 +143,8 @@ def verify(options: Options, progress: Callable[[str], None]) -> Report:
     target: Target | None = None
     try:
         target = _open_target(options, plan, report, progress)
-        report.phases["launch_s"] = time.perf_counter() - clock
+        if target.mode == "launched":
+            report.phases["launch_s"] = time.perf_counter() - clock
         _run(target, options, topology, report, progress)
     except (LaunchError, RequirementsUnmet) as exc:
         skipped = isinstance(exc, RequirementsUnmet)
@@ -156,8 +157,6 @@ def verify(options: Options, progress: Callable[[str], None]) -> Report:
             target.close()
         report.phases["teardown_s"] = time.perf_counter() - teardown
         report.phases["total_s"] = time.perf_counter() - clock
-        if target is None or target.mode != "launched":
-            report.phases.pop("launch_s", None)
     return report
 
 
@@ -260,5 +259,4 @@ def _run(
     report.phases["passes_s"] = time.perf_counter() - started
     report.blocking = blocking(report.findings, settings)
     report.verdict = "fail" if report.blocking else "pass"
-    if isinstance(target, (LaunchedTarget, RunningTarget)):
-        report.logs = target.logs()
+    report.logs = target.logs() or report.logs

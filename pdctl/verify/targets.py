@@ -52,6 +52,10 @@ class Target:
     def describe(self) -> dict[str, Any]:
         return {"mode": self.mode, "router_url": self.router_url}
 
+    def logs(self) -> dict[str, str]:
+        """Each process's log, where this target knows them (a bare URL does not)."""
+        return {}
+
     def reference(self) -> str:
         """The URL of a colocated server of the same model (started once, on first use)."""
         if self._reference_url is None:
@@ -68,12 +72,6 @@ class Target:
     def close(self) -> None:
         if self._reference_run is not None:
             self._reference_run.stop()
-
-    def __enter__(self) -> Target:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class LaunchedTarget(Target):
