@@ -58,6 +58,8 @@ def rows_of(report: dict[str, Any], pass_name: str) -> list[dict[str, Any]]:
             "bytes": size,
             "segments": max(int(t.get("segments", 0)) for t in transfers),
             "write_ms_p50": write,
+            "gather_ms_p50": _median(transfers, "gather_ms"),
+            "digest_ms_p50": _median(transfers, "digest_ms"),
             "send_ms_p50": _median(transfers, "send_ms"),
             "receive_ms_p50": _median(transfers, "transfer_ms"),
             "mb_per_s": round(size / 1e6 / (write / 1e3), 1) if write else None,
@@ -100,11 +102,12 @@ def main() -> None:
         print(json.dumps(rows, indent=1))
         return
     extra = " | copy-bound ms | bound / write" if args.bound else ""
-    print("| topology | transport | path | requests | KiB | segments | write ms | send ms "
-          f"| receive ms | MB/s at write{extra} |")  # fmt: skip
-    print("|---" * (10 + (2 if args.bound else 0)) + "|")
+    print("| topology | transport | path | requests | KiB | segments | write ms | (gather ms "
+          f"| digest ms) | send ms | receive ms | MB/s at write{extra} |")  # fmt: skip
+    print("|---" * (12 + (2 if args.bound else 0)) + "|")
+    keys = ("write_ms_p50", "gather_ms_p50", "digest_ms_p50", "send_ms_p50", "receive_ms_p50")
     for row in rows:
-        times = [_ms(row[key]) for key in ("write_ms_p50", "send_ms_p50", "receive_ms_p50")]
+        times = [_ms(row.get(key)) for key in keys]
         size = f"{row['bytes'] / 1024:,.0f}"
         cells = [row["topology"], row["transport"], row["path"], row["requests"], size,
                  row["segments"], *times, row["mb_per_s"] or "-"]  # fmt: skip

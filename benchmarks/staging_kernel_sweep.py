@@ -25,7 +25,10 @@ from pdctl.staging import bench
 from pdctl.staging.kernels import gather_all_layers_to_staging, scatter_staging_to_kv
 from pdctl.staging.kernels import triton as triton_kernels
 
-VARIANTS = [(tile, per_sm) for tile in (16, 32, 64) for per_sm in (0, 4, 8)] + [(128, 0)]
+# (KiB of token rows per step, programs per SM with walks (0: none), warps (0: by tile))
+VARIANTS = [(tile, per_sm, 0) for tile in (16, 32, 64) for per_sm in (0, 4, 8)] + [
+    (128, 0, 0), (128, 0, 8), (64, 0, 4), (32, 0, 4), (128, 4, 0), (256, 0, 16),
+]  # fmt: skip
 
 
 def per_call_us(function: Callable[[], object], device: torch.device) -> float:
@@ -94,7 +97,9 @@ def graph_time(device: torch.device, operation: Callable[[], object], repeats: i
     return statistics.median(times)
 
 
-def device_only(shape: bench.Shape, device: torch.device, zero_copy: bool) -> list[dict]:
+def device_only(
+    shape: bench.Shape, device: torch.device, zero_copy: bool, variants: list = VARIANTS
+) -> list[dict]:
     tokens, pages = shape.num_tokens, shape.num_tokens // shape.page_size
     pool_pages = pages + pages // 4 + 1
     pool_tokens = pool_pages * shape.page_size
@@ -133,27 +138,29 @@ def device_only(shape: bench.Shape, device: torch.device, zero_copy: bool) -> li
     check_bitwise(pk, pv, dk, dv, ids_used, staging, shape, heads, gather, scatter)
     rows = []
     try:
-        for tile_kib, per_sm in VARIANTS:
+        for tile_kib, per_sm, warps in variants:
             triton_kernels.TILE_BYTES = tile_kib * 1024
             triton_kernels.PROGRAMS_PER_SM = per_sm
+            triton_kernels.WARPS = warps
             triton_kernels.tile.cache_clear()
             config = triton_kernels.tile(
                 heads * shape.head_dim // 4, 8, tokens, 2 * shape.num_layers, 132
             )
             g, s = graph_time(device, gather), graph_time(device, scatter)
             rows.append(
-                {"shape": shape.label, "tile_kib": tile_kib, "per_sm": per_sm,
+                {"shape": shape.label, "tile_kib": tile_kib, "per_sm": per_sm, "warps": warps,
                  "zero_copy": zero_copy, "config": config, "copy_gbps": nbytes / copy / 1e9,
                  "gather": copy / g, "scatter": copy / s}
             )  # fmt: skip
             print(
-                f"  {tile_kib:>4} KiB  {per_sm:>2}/SM  zero-copy {int(zero_copy)}  "
+                f"  {tile_kib:>4} KiB  {per_sm:>2}/SM  w{warps:<2}  zero-copy {int(zero_copy)}  "
                 f"gather {copy / g:5.2f}  scatter {copy / s:5.2f}  "
                 f"copy {nbytes / copy / 1e9:6.0f} GB/s  {config}",
                 flush=True,
             )
     finally:
         kernels.upload_pages = real_upload
+        triton_kernels.WARPS = 0
     return rows
 
 
@@ -208,7 +215,7 @@ def main() -> None:
     for shape in (bench.SHAPES[0], bench.SHAPES[2]):
         print(shape.label, "(page ids read from pinned host memory)", flush=True)
         try:
-            rows += device_only(shape, device, zero_copy=True)
+            rows += device_only(shape, device, zero_copy=True, variants=[(128, 0, 0)])
         except Exception as error:  # an experiment: report and go on
             print(f"  zero-copy failed: {error!r}", flush=True)
     triton_kernels.TILE_BYTES, triton_kernels.PROGRAMS_PER_SM = defaults

@@ -108,14 +108,15 @@ def transport(
     table = Table(
         title=f"transport bench, {device} memory, cross-process on loopback (write to completion)"
     )
-    for column in ("variant", "size", "GB/s", "p50 ms", "p99 ms", "first ms", "bytes ok"):
+    columns = ("variant", "size", "GB/s", "p50 ms", "p99 ms", "first ms", "connect ms", "bytes ok")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("variant", "size") else "right")
     for row in report["rows"]:
-        first = row.get("first_ms")
+        first, connect = row.get("first_ms"), row.get("connect_ms")
         table.add_row(
             row["variant"], row["label"], f"{row['gbps']:.2f}", f"{row['p50_ms']:.3f}",
             f"{row['p99_ms']:.3f}", "-" if first is None else f"{first:.3f}",
-            "yes" if row["consistent"] else "NO",
+            "-" if connect is None else f"{connect:.3f}", "yes" if row["consistent"] else "NO",
         )  # fmt: skip
     console.out.print(table)
     for variant, reason in report["unavailable"].items():
@@ -131,7 +132,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib", "pip install matplotlib") from None
-    rows = [r for r in report["rows"] if " x " not in r["label"]]
+    rows = [r for r in report["rows"] if " x " not in r["label"] and "first" not in r["label"]]
     figure, axes = plt.subplots(figsize=(7, 4))
     for variant in dict.fromkeys(r["variant"] for r in rows):
         points = [(r["nbytes"], r["gbps"]) for r in rows if r["variant"] == variant]

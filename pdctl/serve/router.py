@@ -186,14 +186,16 @@ def _add_prefill_side(meta: dict[str, Any], prefill_answer: Any) -> None:
     """Decode's kv_transfer times the receive; prefill's times the send. Both go in
     the answer: `write_ms` (prefill gathering, digesting and writing, the part the
     staging kernels and the transport own) and `send_ms` (prefill's whole send,
-    waits for decode's ring regions included)."""
+    waits for decode's ring regions included), with `gather_ms` and `digest_ms`, the
+    parts of write_ms spent gathering and taking digests."""
     transfer = meta.get("kv_transfer")
     sent = None
     if isinstance(prefill_answer, dict) and isinstance(prefill_answer.get("meta_info"), dict):
         sent = prefill_answer["meta_info"].get("kv_transfer")
     if not isinstance(transfer, dict) or not isinstance(sent, dict):
         return
-    for theirs, ours in (("write_ms", "write_ms"), ("transfer_ms", "send_ms")):
+    pairs = ("write_ms", "write_ms"), ("gather_ms", "gather_ms"), ("digest_ms", "digest_ms")
+    for theirs, ours in (*pairs, ("transfer_ms", "send_ms")):
         if isinstance(sent.get(theirs), (int, float)):
             transfer[ours] = sent[theirs]
 

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,15 @@ Report = Callable[[int, dict[str, Any]], None]
 
 class SendFailed(RuntimeError):
     pass
+
+
+@dataclass
+class SendClock:
+    """Seconds of one room's send spent gathering and taking digests (the rest of
+    write_ms is the transport's writes)."""
+
+    gather: float = 0.0
+    digest: float = 0.0
 
 
 class KVSender:
@@ -158,6 +168,7 @@ class KVSender:
                 float(delay.get("seconds") or self.bootstrap_timeout + self.transfer_timeout + 2)
             )
         total, segments, busy = 0, 0, 0.0
+        clock = SendClock()
         for decode_rank in range(decode_tp):
             slices = head_slices(self.heads, self.tp, decode_tp, decode_rank)
             mine = [i for i, s in enumerate(slices) if s.prefill_rank == self.rank]
@@ -170,17 +181,23 @@ class KVSender:
             started = time.perf_counter()
             if registration.mode == "staging":
                 sent, count, waited = self._staged(
-                    room, pages, registration, layout, mine[0], corrupt
+                    room, pages, registration, layout, mine[0], clock, corrupt
                 )
             else:
                 sent, count = self._direct(
-                    room, pages, num_tokens, registration, layout, mine[0], corrupt
+                    room, pages, num_tokens, registration, layout, mine[0], clock, corrupt
                 )
                 waited = 0.0
             busy += time.perf_counter() - started - waited
             total, segments = total + sent, segments + count
         # write_ms: gathering, digests and writes only (not waiting for decode's regions)
-        return {"bytes": total, "segments": segments, "write_ms": round(busy * 1e3, 3)}
+        return {
+            "bytes": total,
+            "segments": segments,
+            "write_ms": round(busy * 1e3, 3),
+            "gather_ms": round(clock.gather * 1e3, 3),
+            "digest_ms": round(clock.digest * 1e3, 3),
+        }
 
     def _plan(self, pages: list[int], layout: StagingLayout, reg: proto.Registration) -> Any:
         """Decode's segments (its segment size), each checked to fit a staging buffer here."""
@@ -200,14 +217,20 @@ class KVSender:
             )
         return plan
 
-    def _gather(self, buffer: Any, pages: list[int], piece: HeadSlice) -> tuple[int, list[int]]:
+    def _gather(
+        self, buffer: Any, pages: list[int], piece: HeadSlice, clock: SendClock
+    ) -> tuple[int, list[int]]:
+        started = time.perf_counter()
         nbytes = gather_all_layers_to_staging(
             self.kv.k_buffers, self.kv.v_buffers, pages, buffer.tensor,
             src_head_start=piece.src_head_start, num_heads=piece.num_heads,
             page_size=self.kv.page_size,
         )  # fmt: skip
-        digests = block_digests(buffer.view(0, nbytes), len(self.kv.k_buffers))
         dev.synchronize_stream(buffer.producer_stream())  # the transport reads next
+        gathered = time.perf_counter()
+        digests = block_digests(buffer.view(0, nbytes), len(self.kv.k_buffers))
+        clock.gather += gathered - started
+        clock.digest += time.perf_counter() - gathered
         return nbytes, digests
 
     def _staged(
@@ -217,6 +240,7 @@ class KVSender:
         reg: proto.Registration,
         layout: StagingLayout,
         writer: int,
+        clock: SendClock,
         corrupt: bool = False,
     ) -> tuple[int, int, float]:
         piece = layout.slices[writer]
@@ -236,7 +260,7 @@ class KVSender:
                 writer, segment.num_tokens(self.kv.page_size)
             )
             with self._buffer() as buffer:
-                nbytes, digests = self._gather(buffer, chunk, piece)
+                nbytes, digests = self._gather(buffer, chunk, piece, clock)
                 if corrupt and segment.index == 0:  # fault injection: after the digests
                     buffer.view(0, nbytes)[nbytes // 2] ^= 0x5A
                 message = proto.notify_message(room, segment.index, self.rank, digests, nbytes)
@@ -270,6 +294,7 @@ class KVSender:
         reg: proto.Registration,
         layout: StagingLayout,
         writer: int,
+        clock: SendClock,
         corrupt: bool = False,
     ) -> tuple[int, int]:
         piece = layout.slices[writer]
@@ -293,7 +318,7 @@ class KVSender:
         for segment in self._plan(pages, layout, reg):
             chunk = pages[segment.page_start : segment.page_start + segment.num_pages]
             with self._buffer() as buffer:
-                digests.append(self._gather(buffer, chunk, piece)[1])
+                digests.append(self._gather(buffer, chunk, piece, clock)[1])
         message = proto.notify_message(
             room,
             proto.DIRECT_SEGMENT,

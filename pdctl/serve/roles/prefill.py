@@ -158,6 +158,8 @@ class PrefillHooks:
             "segments": max(int(r.get("segments", 0)) for r in reports),
             "transfer_ms": max(float(r.get("transfer_ms", 0)) for r in reports),
             "write_ms": max(float(r.get("write_ms", 0)) for r in reports),
+            "gather_ms": max(float(r.get("gather_ms", 0)) for r in reports),
+            "digest_ms": max(float(r.get("digest_ms", 0)) for r in reports),
             "transport": self.rank.args.transfer_backend,
         }
         with self.lock:

@@ -57,6 +57,7 @@ from pdctl.staging.kernels.base import BufferCache, KernelBackend
 TILE_BYTES = 128 * 1024  # bytes per program step
 PROGRAMS_PER_SM = 0  # 0: one tile of one buffer per program; n: walks, >= n programs per SM
 STREAMING = True
+WARPS = 0  # 0: by tile size (16 from 64 KiB, 8 from 16 KiB, else 4); n: always n
 DEFAULT_SMS = 132
 
 
@@ -143,6 +144,8 @@ def tile(
     buffer_programs = triton.cdiv(buffer_steps, num_steps)  # even walks, none empty
     tile_bytes = block_b * block_t * row_bytes
     num_warps = 16 if tile_bytes >= 64 * 1024 else 8 if tile_bytes >= 16 * 1024 else 4
+    if WARPS:
+        num_warps = WARPS
     return block_t, block_c, block_b, num_steps, buffer_programs, num_warps
 
 

@@ -18,6 +18,7 @@ the network is unpickled: descriptions are JSON, frames are fixed binary headers
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import threading
@@ -34,6 +35,7 @@ import torch
 from pdctl.staging.descriptors import as_u64, tensor_ptr
 
 MAX_NOTIFICATION_BYTES = 64 * 1024
+SMALL_LOOKUP = 8  # up to this many ranges, region lookups run in Python ints
 
 
 class TransportError(RuntimeError):
@@ -95,6 +97,61 @@ class Notification:
     message: bytes
 
 
+class RegionIndex:
+    """Which region holds each of many ranges, at once (numpy; no loop per range).
+
+    A write carries up to thousands of descriptors (one per KV page and layer) and
+    a pool registers one region per layer buffer: looking each range up in Python
+    costs more than moving a 4 KiB page. Regions are sorted by start; a range
+    belongs to the last region starting at or before it if it ends inside it.
+    Overlapping registrations (a view registered beside its allocation) fall back
+    to a scan for the ranges the sorted lookup misses.
+    """
+
+    def __init__(self, regions: Sequence[MemoryRegion]) -> None:
+        self.regions = list(regions)
+        order = sorted(range(len(self.regions)), key=lambda i: self.regions[i].ptr)
+        self._order = np.array(order, dtype=np.int64)
+        self._starts = np.array([self.regions[i].ptr for i in order], dtype=np.uint64)
+        self._ends = self._starts + np.array(
+            [self.regions[i].length for i in order], dtype=np.uint64
+        )
+        self._overlap = bool(len(order) > 1 and (self._ends[:-1] > self._starts[1:]).any())
+        self._lists = (self._starts.tolist(), self._ends.tolist(), order)  # for a few ranges
+
+    def locate(self, ptrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Index into `regions` of the region holding each range, -1 where none does."""
+        if not self.regions:
+            return np.full(len(ptrs), -1, dtype=np.int64)
+        if len(ptrs) <= SMALL_LOOKUP:
+            return self._locate_few(ptrs, lengths)
+        at = np.searchsorted(self._starts, ptrs, side="right").astype(np.int64) - 1
+        clipped = np.maximum(at, 0)
+        ends = self._ends[clipped]
+        inside = (at >= 0) & (ptrs <= ends) & (lengths <= ends - ptrs)  # no u64 overflow
+        found = np.where(inside, self._order[clipped], -1)
+        if self._overlap:
+            for index in np.flatnonzero(found < 0).tolist():
+                ptr, length = int(ptrs[index]), int(lengths[index])
+                found[index] = self._scan(ptr, length)
+        return found
+
+    def _locate_few(self, ptrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """The same for a handful of ranges, in Python ints (numpy's per-call cost dominates)."""
+        starts, ends, order = self._lists
+        found = []
+        for ptr, length in zip(ptrs.tolist(), lengths.tolist(), strict=True):
+            at = bisect.bisect_right(starts, ptr) - 1
+            if at >= 0 and ptr + length <= ends[at]:
+                found.append(order[at])
+            else:
+                found.append(self._scan(ptr, length) if self._overlap else -1)
+        return np.array(found, dtype=np.int64)
+
+    def _scan(self, ptr: int, length: int) -> int:
+        return next((i for i, r in enumerate(self.regions) if r.contains(ptr, length)), -1)
+
+
 @dataclass
 class Peer:
     """A connected remote endpoint; `name` is what errors call it."""
@@ -103,10 +160,18 @@ class Peer:
     address: str
     regions: list[MemoryRegion]
     state: dict[str, Any] = field(default_factory=dict)  # transport-specific
+    _index: RegionIndex | None = field(default=None, repr=False, compare=False)
 
     @property
     def label(self) -> str:
         return f"{self.name} ({self.address})"
+
+    @property
+    def index(self) -> RegionIndex:
+        """The peer's regions for range lookups (they do not change after connect)."""
+        if self._index is None:
+            self._index = RegionIndex(self.regions)
+        return self._index
 
 
 class TransferHandle(ABC):
@@ -157,12 +222,11 @@ def check_descriptors(
     return arrays[0], arrays[1], arrays[2]
 
 
-def outside(regions: Sequence[MemoryRegion], ptrs: np.ndarray, lengths: np.ndarray) -> int | None:
-    """Index of the first range not inside one region, or None."""
-    for index, (ptr, length) in enumerate(zip(ptrs.tolist(), lengths.tolist(), strict=True)):
-        if not any(region.contains(ptr, length) for region in regions):
-            return index
-    return None
+def outside(found: np.ndarray) -> int | None:
+    """Index of the first range no region holds (`RegionIndex.locate`), or None."""
+    if found.min() >= 0:
+        return None
+    return int(np.flatnonzero(found < 0)[0])
 
 
 class Transport(ABC):
@@ -179,6 +243,7 @@ class Transport(ABC):
         self._notifications: deque[Notification] = deque()
         self._notified = threading.Condition(self._lock)
         self._closed = False
+        self._index: RegionIndex | None = None  # rebuilt after (de)registration
 
     # -- memory --------------------------------------------------------------
     def register(
@@ -190,6 +255,7 @@ class Transport(ABC):
         self._register(region)
         with self._lock:
             self.regions.append(region)
+            self._index = None
         return region
 
     def register_tensor(self, tensor: torch.Tensor) -> MemoryRegion:
@@ -216,6 +282,7 @@ class Transport(ABC):
                 )
             self.regions.remove(region)
             self.tensors.pop(region.ptr, None)
+            self._index = None
         self._deregister(region)
 
     def set_kv_buffer_tensors(
@@ -241,6 +308,14 @@ class Transport(ABC):
             "slot_layer_ids": list(slot_layer_ids) if slot_layer_ids is not None else None,
         }
         return regions
+
+    @property
+    def index(self) -> RegionIndex:
+        """This endpoint's registered regions for range lookups (current)."""
+        with self._lock:
+            if self._index is None:
+                self._index = RegionIndex(self.regions)
+            return self._index
 
     # -- description -----------------------------------------------------------
     def describe(self) -> bytes:
@@ -308,14 +383,13 @@ class Transport(ABC):
         if self._closed:
             raise TransportError(f"{self.config.name}: the transport is closed")
         src_a, dst_a, len_a = check_descriptors(src, dst, lengths)
-        with self._lock:
-            bad = outside(self.regions, src_a, len_a)
+        bad = outside(self.index.locate(src_a, len_a))
         if bad is not None:
             raise BadDescriptor(
                 f"{self.config.name}: source [{int(src_a[bad]):#x}, +{int(len_a[bad])}) of "
                 f"descriptor {bad} is not in registered memory"
             )
-        bad = outside(peer.regions, dst_a, len_a)
+        bad = outside(peer.index.locate(dst_a, len_a))
         if bad is not None:
             raise BadDescriptor(
                 f"{self.config.name}: destination [{int(dst_a[bad]):#x}, +{int(len_a[bad])}) of "

@@ -72,6 +72,7 @@ def _batches(
 
 
 PARALLEL_MIN_BYTES = 16 << 20  # below this, one thread is faster than two
+WORKERS = min(os.cpu_count() or 1, 4)
 _EXECUTOR: list[ThreadPoolExecutor] = []
 _EXECUTOR_LOCK = threading.Lock()
 
@@ -113,7 +114,7 @@ def write(pid: int, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> No
     Large writes are split over the CPU's cores (the copies release the GIL).
     Raises OSError (errno set: ESRCH when the peer died, EPERM when not allowed).
     """
-    workers = min(os.cpu_count() or 1, 4)
+    workers = WORKERS
     if workers > 1 and int(lengths.sum()) >= PARALLEL_MIN_BYTES:
         parts = _split(src, dst, lengths, workers)
         futures = [_executor(workers).submit(_write_serial, pid, *part) for part in parts[1:]]
@@ -124,9 +125,28 @@ def write(pid: int, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> No
     _write_serial(pid, src, dst, lengths)
 
 
+def _write_one(pid: int, src: int, dst: int, length: int) -> None:
+    """One range: no vectors to build (small writes are bound by this host work)."""
+    assert _LIBC is not None
+    done = 0
+    while done < length:
+        local = IOVec(src + done, length - done)
+        remote = IOVec(dst + done, length - done)
+        written = _LIBC.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if written < 0:
+            error = ctypes.get_errno()
+            raise OSError(error, os.strerror(error))
+        if written == 0:
+            raise OSError(5, "process_vm_writev wrote nothing")
+        done += written
+
+
 def _write_serial(pid: int, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
     if _LIBC is None:
         raise OSError(38, "process_vm_writev is not available")
+    if len(src) == 1:
+        _write_one(pid, int(src[0]), int(dst[0]), int(lengths[0]))
+        return
     for start, stop, total in _batches(src, dst, lengths):
         local = _vectors(src[start:stop], lengths[start:stop])
         remote = _vectors(dst[start:stop], lengths[start:stop])

@@ -6,9 +6,11 @@ one peer at once). Within one host, host memory goes straight into the peer's
 memory when the kernel allows `process_vm_writev` (probed per connection, see
 `fastpath.py`), and device memory goes device to device through the device's own
 IPC (`device_ipc.py`: CUDA IPC; the peer's allocations are opened once, when it
-connects); only the notification and the completion travel over TCP then.
-Otherwise every byte goes over the socket into the peer's registered memory, device
-memory staged through host memory on both sides.
+connects), scattered pages in one launch (`kernels/ranges.py`). Then a write
+without a notification is the copy alone (it completes when the bytes are in the
+peer's memory; a pidfd shows at once a peer that exited), and only a notification
+and its acknowledgement travel over TCP. Otherwise every byte goes over the socket
+into the peer's registered memory, device memory staged through host memory.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from __future__ import annotations
 import ctypes
 import itertools
 import json
+import os
 import queue
 import secrets
+import select
 import socket
 import threading
 from typing import Any
@@ -25,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from pdctl.staging import device as dev
+from pdctl.staging.descriptors import U64_MASK
 from pdctl.staging.transport import device_ipc, fastpath, wire
 from pdctl.staging.transport.base import (
     Descriptors,
@@ -40,6 +45,16 @@ from pdctl.staging.transport.pool import WritePool
 from pdctl.staging.transport.tcp_server import Listener, RegionTable
 
 MAX_CONNECTIONS_PER_PEER = 8
+LONG_RANGE_BYTES = (
+    1 << 20
+)  # device writes: ranges this long get a copy each, shorter share one launch
+
+
+def copy_ranges(device: Any, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
+    """The ranges kernel (Triton, imported on the first device write)."""
+    from pdctl.staging.kernels import ranges
+
+    ranges.copy_ranges(device, src, dst, lengths)
 
 
 class Connection:
@@ -123,6 +138,7 @@ class TcpTransport(Transport):
         self._pools: dict[str, queue.LifoQueue[Connection]] = {}
         self._pool_sizes: dict[str, int] = {}
         self._pool_lock = threading.Lock()
+        self._pidfds: dict[int, int | None] = {}  # same-host peer pid -> its pidfd
 
     @property
     def port(self) -> int:
@@ -164,9 +180,29 @@ class TcpTransport(Transport):
         connection = Connection(self, peer)  # proves the peer is there and we are allowed in
         fast = self.config.same_host_fast_path
         peer.state["pid"] = connection.probe_fast_path() if fast else None
-        peer.state["device"] = self._open_device_regions(info, regions) if fast else {}
+        mapped = self._open_device_regions(info, regions) if fast else {}
+        peer.state["device"] = mapped
+        peer.state["device_shift"] = np.array(  # each peer region's address here, as a shift
+            [(mapped[r.ptr].data_ptr() - r.ptr) & U64_MASK if r.ptr in mapped else 0
+             for r in peer.index.regions],
+            dtype=np.uint64,
+        )  # fmt: skip
+        same_host = connection.welcome.get("host_id") == fastpath.host_id()
+        if fast and same_host and (mapped or peer.state["pid"] is not None):
+            peer.state["pidfd"] = self._pidfd(int(connection.welcome.get("pid", 0)))
         self._release(peer, connection)
         return peer
+
+    def _pidfd(self, pid: int) -> int | None:
+        """A pidfd of the peer process (one per process, closed with the transport);
+        None where the kernel has none, and then every write keeps its round trip."""
+        with self._pool_lock:
+            if pid not in self._pidfds:
+                try:
+                    self._pidfds[pid] = os.pidfd_open(pid) if pid > 0 else None
+                except (OSError, AttributeError):
+                    self._pidfds[pid] = None
+            return self._pidfds[pid]
 
     def _open_device_regions(
         self, info: dict[str, Any], regions: list[MemoryRegion]
@@ -232,9 +268,16 @@ class TcpTransport(Transport):
         self._write(peer, descriptors, notify)  # inline: socket timeouts bound every wait
 
     def _write(self, peer: Peer, descriptors: Descriptors, notify: bytes | None) -> None:
+        route = self._route(peer, descriptors)
+        if route is not None and notify is None and peer.state.get("pidfd") is not None:
+            # Same host, nothing to announce: the copy itself completes the write (the
+            # bytes are in the peer's memory when it returns), so no round trip.
+            self._check_alive(peer)
+            self._direct(peer, route, descriptors)
+            return
         connection = self._acquire(peer)
         try:
-            self._send(connection, peer, descriptors, notify)
+            self._send(connection, peer, route, descriptors, notify)
         except (OSError, wire.ProtocolError) as exc:
             connection.close()
             self._shrink(peer)
@@ -247,20 +290,57 @@ class TcpTransport(Transport):
             raise
         self._release(peer, connection)
 
+    def _route(self, peer: Peer, descriptors: Descriptors) -> str | None:
+        """ "device" (device IPC), "host" (process_vm_writev) or None (the socket)."""
+        src, dst, lengths = descriptors
+        mapped: dict[int, Any] = peer.state.get("device") or {}
+        pid = peer.state.get("pid")
+        if not mapped and pid is None:
+            return None
+        mine, theirs = self.index, peer.index
+        sources = {mine.regions[i].device_type for i in set(mine.locate(src, lengths).tolist())}
+        targets = [theirs.regions[i] for i in set(theirs.locate(dst, lengths).tolist())]
+        if mapped and "cpu" not in sources:
+            return "device" if all(t.ptr in mapped for t in targets) else None
+        if pid is not None and sources == {"cpu"}:
+            return "host" if all(t.device_type == "cpu" for t in targets) else None
+        return None
+
+    def _check_alive(self, peer: Peer) -> None:
+        """A same-host peer that exited is an error before its pid could name another
+        process (pidfd: readable once the process is gone)."""
+        pidfd = peer.state.get("pidfd")
+        if pidfd is None:
+            return
+        ready, _, _ = select.select([pidfd], [], [], 0)
+        if ready:
+            raise PeerUnreachable(f"{self.config.name}: {peer.label} has exited")
+
+    def _direct(self, peer: Peer, route: str, descriptors: Descriptors) -> None:
+        src, dst, lengths = descriptors
+        try:
+            if route == "device":
+                self._device_write(peer, src, dst, lengths)
+            else:
+                fastpath.write(int(peer.state["pid"]), src, dst, lengths)
+        except OSError as exc:
+            raise TransportError(
+                f"{self.config.name}: write to {peer.label} failed: {exc}"
+            ) from None
+
     def _send(
-        self, connection: Connection, peer: Peer, descriptors: Descriptors, notify: bytes | None
+        self,
+        connection: Connection,
+        peer: Peer,
+        route: str | None,
+        descriptors: Descriptors,
+        notify: bytes | None,
     ) -> None:
         src, dst, lengths = descriptors
         sock = connection.sock
-        pid = peer.state.get("pid")
-        if self._device_write(peer, src, dst, lengths):
-            pass  # device to device through the device's IPC; only the notice goes by TCP
-        elif (
-            isinstance(pid, int)
-            and self._host_memory(src, lengths)
-            and self._peer_host_memory(peer, dst, lengths)
-        ):
-            fastpath.write(pid, src, dst, lengths)
+        if route is not None:  # the bytes go directly; only the notice goes by TCP
+            self._check_alive(peer)
+            self._direct(peer, route, descriptors)
         else:
             for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True):
                 wire.send_frame(sock, wire.WRITE, a=d, b=n)
@@ -275,26 +355,28 @@ class TcpTransport(Transport):
 
     def _device_write(
         self, peer: Peer, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray
-    ) -> bool:
-        """Copy device to device into the peer's mapped regions; False when any piece is
-        host memory or not mapped (then the other paths move it)."""
-        mapped: dict[int, Any] = peer.state.get("device") or {}
-        if not mapped:
-            return False
-        pieces = []
-        for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True):
-            region = next(r for r in self.regions if r.contains(s, n))
-            target = next((r for r in peer.regions if r.contains(d, n) and r.ptr in mapped), None)
-            if region.device_type == "cpu" or target is None:
-                return False
-            source = self.tensors[region.ptr][s - region.ptr : s - region.ptr + n]
-            pieces.append((mapped[target.ptr][d - target.ptr : d - target.ptr + n], source))
-        stream = self._copy_stream(pieces[0][1].device)
+    ) -> None:
+        """Device to device into the peer's mapped regions: long ranges one copy each,
+        the rest (pages) in one launch; synchronized before returning."""
+        mapped: dict[int, Any] = peer.state["device"]
+        mine, theirs = self.index, peer.index
+        sources, targets = mine.locate(src, lengths), theirs.locate(dst, lengths)
+        device = self.tensors[mine.regions[int(sources[0])].ptr].device
+        stream = self._copy_stream(device)
+        long = lengths >= np.uint64(LONG_RANGE_BYTES)
         with dev.device_stream_context(stream):
-            for into, source in pieces:
-                into.copy_(source, non_blocking=True)
-        dev.synchronize_stream(stream)  # the bytes are in the peer's memory before the notice
-        return True
+            for i in np.flatnonzero(long).tolist():
+                region, target = mine.regions[int(sources[i])], theirs.regions[int(targets[i])]
+                s, d, n = int(src[i]) - region.ptr, int(dst[i]) - target.ptr, int(lengths[i])
+                mapped[target.ptr][d : d + n].copy_(
+                    self.tensors[region.ptr][s : s + n], non_blocking=True
+                )
+            short = ~long
+            if short.any():
+                shift: np.ndarray = peer.state["device_shift"]
+                local = dst[short] + shift[targets[short]]  # modulo 2**64, as addresses are
+                copy_ranges(device, src[short], local, lengths[short])
+        dev.synchronize_stream(stream)  # the bytes are in the peer's memory before returning
 
     def _copy_stream(self, device: Any) -> Any:
         """One stream per device for device writes: never queued behind this process's
@@ -314,19 +396,6 @@ class TcpTransport(Transport):
         offset = address - region.ptr
         sock.sendall(tensor[offset : offset + length].cpu().numpy().data)
 
-    def _host_memory(self, ptrs: np.ndarray, lengths: np.ndarray) -> bool:
-        return all(
-            next(r for r in self.regions if r.contains(p, n)).device_type == "cpu"
-            for p, n in zip(ptrs.tolist(), lengths.tolist(), strict=True)
-        )
-
-    @staticmethod
-    def _peer_host_memory(peer: Peer, ptrs: np.ndarray, lengths: np.ndarray) -> bool:
-        return all(
-            next(r for r in peer.regions if r.contains(p, n)).device_type == "cpu"
-            for p, n in zip(ptrs.tolist(), lengths.tolist(), strict=True)
-        )
-
     def _close(self) -> None:
         self.listener.close()
         self.pool.shutdown()
@@ -334,6 +403,10 @@ class TcpTransport(Transport):
         with self._pool_lock:
             pools = list(self._pools.values())
             self._pools.clear()
+            for pidfd in self._pidfds.values():
+                if pidfd is not None:
+                    os.close(pidfd)
+            self._pidfds.clear()
         for pool in pools:
             while not pool.empty():
                 pool.get_nowait().close()

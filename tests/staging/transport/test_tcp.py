@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import time
@@ -107,3 +108,49 @@ def test_same_host_peers_take_the_direct_path_and_others_can_opt_out() -> None:
         finally:
             fast.close()
             slow.close()
+
+
+def test_same_host_writes_without_a_notification_need_no_round_trip(monkeypatch) -> None:
+    """The copy completes the write; a notification still goes by TCP, after the bytes."""
+    from pdctl.staging.transport import tcp as tcp_module
+
+    frames: list[int] = []
+    real = tcp_module.wire.send_frame
+
+    def counting(sock, kind, *args, **kwargs):  # type: ignore[no-untyped-def]
+        frames.append(kind)
+        return real(sock, kind, *args, **kwargs)
+
+    with PeerProcess("tcp", 1 << 20, secret=SECRET) as peer:
+        writer = create_transport("tcp", TransportConfig("nrt", secret=SECRET))
+        source = np.random.default_rng(4).integers(0, 256, 1 << 20, dtype=np.uint8)
+        try:
+            writer.register(source.ctypes.data, source.nbytes)
+            connection = writer.connect(peer.description)
+            monkeypatch.setattr(tcp_module.wire, "send_frame", counting)
+            writer.write(connection, [source.ctypes.data], [peer.base], [4096])
+            assert frames == []  # no frame at all: the bytes are there when it returns
+            assert peer.sha256(0, 4096) == hashlib.sha256(source[:4096].tobytes()).hexdigest()
+            writer.write(connection, [source.ctypes.data], [peer.base], [8192], notify=b"n-1")
+            assert frames == [wire.NOTIFY, wire.SYNC]
+            assert "peer" in peer.wait_notification(b"n-1", 5)
+            assert peer.sha256(0, 8192) == hashlib.sha256(source[:8192].tobytes()).hexdigest()
+        finally:
+            writer.close()
+
+
+def test_a_write_to_an_exited_same_host_peer_fails_at_once() -> None:
+    peer = PeerProcess("tcp", 1 << 20, name="gone-peer", secret=SECRET)
+    writer = create_transport("tcp", TransportConfig("w-exit", secret=SECRET))
+    source = np.zeros(4096, dtype=np.uint8)
+    try:
+        writer.register(source.ctypes.data, source.nbytes)
+        connection = writer.connect(peer.description)
+        assert connection.state["pidfd"] is not None
+        writer.write(connection, [source.ctypes.data], [peer.base], [4096])
+        peer.kill()  # SIGKILL and reaped: its pid may be anyone's next
+        with pytest.raises(PeerUnreachable, match=r"gone-peer .* has exited"):
+            writer.write(connection, [source.ctypes.data], [peer.base], [4096])
+    finally:
+        writer.close()
+        peer.close()
