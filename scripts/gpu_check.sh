@@ -18,7 +18,8 @@
 # the files or folders it selects from (default topologies), NIGHTLY_TIMEOUT its
 # limit in seconds (default 420), and PD_TOPOLOGY the topology the pd stage
 # benchmarks (default the 2-GPU staging one; e.g.
-# topologies/cuda-4gpu-p1d4-tcp-staging.yaml on 4 GPUs). The nightly stage ends with
+# topologies/cuda-4gpu-p1d4-tcp-staging.yaml on 4 GPUs, cuda-1gpu-p1d1-tcp.yaml on one)
+# with the transports in PD_BACKENDS (default tcp,mooncake,nixl). The nightly stage ends with
 # per-request KV transfer time against bytes (benchmarks/kv_transfer_table.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,7 @@ SUITE=${SUITE:-gpu}
 TOPOLOGIES=${TOPOLOGIES:-topologies}
 NIGHTLY_TIMEOUT=${NIGHTLY_TIMEOUT:-420}
 PD_TOPOLOGY=${PD_TOPOLOGY:-topologies/cuda-2gpu-p1d2-tcp-staging.yaml}
+PD_BACKENDS=${PD_BACKENDS:-tcp,mooncake,nixl}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
@@ -122,7 +124,7 @@ fi
 
 if has pd; then
   timeout 300 python3 -m pdctl bench pd "$PD_TOPOLOGY" \
-    --backends tcp,mooncake --prompts 8 --prompt-len 2048 --new-tokens 32 --concurrency 4 \
+    --backends "$PD_BACKENDS" --prompts 8 --prompt-len 2048 --new-tokens 32 --concurrency 4 \
     --json > "$OUT/bench-pd.json" || status=1
   python3 -c 'import json,sys; [print(r) for r in json.load(open(sys.argv[1]))["rows"]]' "$OUT/bench-pd.json"
 fi

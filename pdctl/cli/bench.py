@@ -241,8 +241,8 @@ def pd(
         "admission to KV checked (includes prefill compute); tok/s 1: serial streaming; "
         "tok/s N: concurrent; /coloc: PD over a colocated TP1 server of the same model",
     )
-    columns = ("config", "KiB/req", "write ms", "KV ready ms p50/95", "TTFT ms p50/95",
-               "tok/s 1", "tok/s N", "TTFT /coloc", "tok/s /coloc")  # fmt: skip
+    columns = ("config", "KiB/req", "write ms", "/ bound", "KV ready ms p50/95",
+               "TTFT ms p50/95", "tok/s 1", "tok/s N", "TTFT /coloc", "tok/s /coloc")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column == "config" else "right")
     for row in report["rows"]:
@@ -255,6 +255,7 @@ def pd(
             row["config"],
             f"{row['kv_bytes_per_request'] / 1024:,.0f}" if "kv_bytes_per_request" in row else "-",
             f"{row['write_ms_mean']:.2f}" if "write_ms_mean" in row else "-",
+            f"{row['write_vs_bound']:.2f}x" if "write_vs_bound" in row else "-",
             transfer,
             f"{row['ttft_ms_p50']:.1f} / {row['ttft_ms_p95']:.1f}",
             f"{row['serial_tokens_per_s']:.1f}",
@@ -265,6 +266,11 @@ def pd(
             else "1.00x",
         )
     console.out.print(table)
+    if report.get("copy_gbps"):
+        console.info(
+            f"/ bound: write ms over the KV's bytes at the device's copy rate "
+            f"({report['copy_gbps']:.0f} GB/s, measured in this run); target <= 2x"
+        )
     for backend, reason in report["skipped"].items():
         console.warning(f"{backend} not measured: {reason}")
 

@@ -141,7 +141,32 @@ def measure(
         write_ms = after["write_ms"] - before["write_ms"]
         row["write_ms_mean"] = round(write_ms / rooms, 2)
         row["write_gbps"] = round((after["bytes"] - before["bytes"]) / (write_ms * 1e6), 3)
+        for part in ("gather_ms", "digest_ms"):  # the parts of write_ms that are not writes
+            if part in after and part in before:
+                row[f"{part}_mean"] = round((after[part] - before[part]) / rooms, 3)
     return row
+
+
+def copy_ceiling_gbps(device: str, nbytes: int = 256 << 20) -> float | None:
+    """GB/s of the device's own copy of `nbytes`, in this process (median of 9): the
+    bound a request's KV write is compared with. None on the CPU (no device copy)."""
+    if device == "cpu":
+        return None
+    import torch
+
+    from pdctl.staging import device as dev
+
+    where = dev.resolve_device(device)
+    source = torch.ones(nbytes, dtype=torch.uint8, device=where)
+    target = torch.empty_like(source)
+    times = []
+    for _ in range(11):
+        started = time.perf_counter()
+        target.copy_(source)
+        dev.synchronize(where)
+        times.append(time.perf_counter() - started)
+    del source, target
+    return round(nbytes / statistics.median(times[2:]) / 1e9, 1)
 
 
 def variant(
@@ -200,7 +225,12 @@ def bench_pd(
             reference_row.update(measure(url, work, new_tokens, concurrency))
         finally:
             run.stop()
+    ceiling = copy_ceiling_gbps(base.device)
     for row in rows:
+        if ceiling and row.get("kv_bytes_per_request") and row.get("write_ms_mean"):
+            bound_ms = row["kv_bytes_per_request"] / (ceiling * 1e6)
+            row["write_bound_ms"] = round(bound_ms, 4)  # the KV's bytes at the copy rate
+            row["write_vs_bound"] = round(row["write_ms_mean"] / bound_ms, 2)  # target <= 2
         row["ttft_vs_colocated"] = round(row["ttft_ms_p50"] / reference_row["ttft_ms_p50"], 3)
         row["concurrent_tokens_per_s_vs_colocated"] = round(
             row["concurrent_tokens_per_s"] / reference_row["concurrent_tokens_per_s"], 3
@@ -212,6 +242,7 @@ def bench_pd(
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "concurrency": concurrency,
+        "copy_gbps": ceiling,
         "rows": [*rows, reference_row],
         "skipped": skipped,
     }

@@ -9,7 +9,8 @@ Integer arithmetic modulo 2**64 is exact and order-independent, so every device
 computes the same value for the same bytes. A change to any single word always
 changes the sum (an odd weight times a non-zero difference below 2**32 is never a
 multiple of 2**64), and moving words changes their weights. It is a check against
-corruption and misplacement, not a cryptographic hash.
+corruption and misplacement, not a cryptographic hash. On CUDA and XPU the sums run
+as one Triton launch (`kernels/digests.py`, bit-identical to the torch path here).
 """
 
 from __future__ import annotations
@@ -37,7 +38,18 @@ def _mix(value: int, length: int) -> int:
     return z ^ (z >> 31)
 
 
-def chunk_digests(data: torch.Tensor, num_chunks: int) -> list[int]:
+def _backend(device: torch.device, backend: str | None) -> str:
+    """triton on CUDA and XPU when it imports (or when asked for), else torch."""
+    if backend is not None:
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"unknown digest backend {backend!r}; known: torch, triton")
+        return backend
+    from pdctl.staging.kernels.base import default_backend
+
+    return default_backend(device)
+
+
+def chunk_digests(data: torch.Tensor, num_chunks: int, *, backend: str | None = None) -> list[int]:
     """Digests of `num_chunks` equal consecutive chunks of a uint8 tensor."""
     if data.dtype != torch.uint8 or data.dim() != 1:
         raise ValueError("digests are taken over a 1-D uint8 view of the bytes")
@@ -45,6 +57,10 @@ def chunk_digests(data: torch.Tensor, num_chunks: int) -> list[int]:
         raise ValueError(f"{data.numel()} bytes do not split into {num_chunks} equal chunks")
     words = _words(data.view(num_chunks, -1))
     length = words.shape[1]
+    if _backend(data.device, backend) == "triton":
+        from pdctl.staging.kernels.digests import digest_sums
+
+        return [_mix(value & _MASK, length) for value in digest_sums(words)]
     weights = torch.arange(length, dtype=torch.int64, device=data.device) * 2 + 1
     sums: list[int] = []
     for start in range(0, num_chunks, _CHUNKS_PER_PASS):
@@ -53,9 +69,9 @@ def chunk_digests(data: torch.Tensor, num_chunks: int) -> list[int]:
     return [_mix(value & _MASK, length) for value in sums]
 
 
-def block_digests(block: torch.Tensor, num_layers: int) -> list[int]:
+def block_digests(block: torch.Tensor, num_layers: int, *, backend: str | None = None) -> list[int]:
     """Digests of one writer block: [L0.K, L0.V, L1.K, ...] as laid out by `layout`."""
-    return chunk_digests(block, 2 * num_layers)
+    return chunk_digests(block, 2 * num_layers, backend=backend)
 
 
 def first_mismatch(sent: list[int], received: list[int]) -> tuple[int, str] | None:

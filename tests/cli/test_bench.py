@@ -55,7 +55,12 @@ def test_bench_transport_quick_checks_every_byte(cli) -> None:
     }
     assert all(row["consistent"] for row in report["rows"])
     assert all(row["gbps"] > 0 and row["p99_ms"] >= row["p50_ms"] for row in report["rows"])
-    assert {"direct_vs_best_library", "direct_vs_memcpy"} <= set(report["targets"])
+    assert {"direct_vs_best_library", "direct_vs_memcpy", "p50_4k_vs_nixl"} <= set(
+        report["targets"]
+    )
+    firsts = [row for row in report["rows"] if row["label"] == "64 MiB, first"]
+    assert {row["variant"] for row in firsts} == variants - {"memcpy (ceiling)"}
+    assert all(row["connect_ms"] > 0 for row in firsts)  # a fresh endpoint each
 
 
 def test_bench_pd_compares_pd_with_colocated(cli) -> None:
@@ -74,8 +79,12 @@ def test_bench_pd_compares_pd_with_colocated(cli) -> None:
         assert row["kv_bytes_per_request"] == 3 * 16 * 4 * 2 * 4 * 32 * 4
         assert row["digests_ok"] is True and row["staging"] is True
         assert row["write_ms_mean"] > 0 and row["ttft_vs_colocated"] > 0
+        parts = row["gather_ms_mean"] + row["digest_ms_mean"]  # parts of the write time
+        assert 0 < parts <= row["write_ms_mean"]
+        assert "write_vs_bound" not in row  # no device copy to compare with on the CPU
         assert row["concurrent_tokens_per_s_vs_colocated"] > 0
     assert "transfer_ms_p50" not in report["rows"][2]
+    assert report["copy_gbps"] is None
 
 
 def test_bench_pd_rejects_an_unknown_backend(cli) -> None:

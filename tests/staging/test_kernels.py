@@ -7,6 +7,8 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdctl.staging.kernels import gather_all_layers_to_staging, scatter_staging_to_kv
 from pdctl.staging.layout import head_slices
@@ -251,3 +253,26 @@ def test_triton_buffer_walks_are_bitwise(monkeypatch, block_t, block_b, steps, p
 
     monkeypatch.setattr(triton_kernels, "tile", forced)
     run_case("triton", 3, page_size, (8, 4, 4), torch.bfloat16, seed=block_t + steps)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pages=st.lists(st.integers(-3, 5000), min_size=1, max_size=64),
+    num_pages=st.sampled_from([40, 64, 5000, 1 << 16]),  # small pools and large ones
+)
+def test_host_page_checks_catch_every_bad_list(pages, num_pages) -> None:
+    """Both strategies of the page check (pool-sized marks, per-thread stamps) agree
+    with the definition: every id in range, none twice."""
+    from pdctl.staging.kernels import _check_host_pages
+
+    array = np.array(pages, dtype=np.int64)
+    outside = any(p < 0 or p >= num_pages for p in pages)
+    repeated = len(set(pages)) != len(pages)
+    if outside:
+        with pytest.raises(ValueError, match="outside the pool"):
+            _check_host_pages(array, num_pages)
+    elif repeated:
+        with pytest.raises(ValueError, match="appears more than once"):
+            _check_host_pages(array, num_pages)
+    else:
+        _check_host_pages(array, num_pages)

@@ -75,6 +75,8 @@ class PrefillHooks:
             "failed_rooms": 0,
             "bytes": 0,
             "write_ms": 0.0,
+            "gather_ms": 0.0,
+            "digest_ms": 0.0,
             "transfer_ms": 0.0,
         }
 
@@ -167,7 +169,8 @@ class PrefillHooks:
             totals["rooms" if not errors else "failed_rooms"] += 1
             if not errors:
                 totals["bytes"] += info["bytes"]
-                totals["write_ms"] = round(totals["write_ms"] + info["write_ms"], 3)
+                for key in ("write_ms", "gather_ms", "digest_ms"):
+                    totals[key] = round(totals[key] + info[key], 3)
                 totals["transfer_ms"] = round(totals["transfer_ms"] + info["transfer_ms"], 3)
         self.rooms.close(room, "finished" if not errors else f"failed: {errors[0]}")
         assert self.engine is not None

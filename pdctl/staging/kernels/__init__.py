@@ -16,6 +16,7 @@ Shapes:
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -54,16 +55,39 @@ def upload_pages(page_indices: PageIndices, page_size: int, info: KVInfo) -> tor
     return pages.to(device=info.device, dtype=torch.int64, non_blocking=True)
 
 
+_SCRATCH = threading.local()  # per thread: a pool-sized stamp array and an arange
+
+
+def _scratch(num_pages: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    stamps: np.ndarray | None = getattr(_SCRATCH, "stamps", None)
+    order: np.ndarray | None = getattr(_SCRATCH, "order", None)
+    if stamps is None or len(stamps) < num_pages:
+        stamps = _SCRATCH.stamps = np.empty(max(num_pages, 1024), dtype=np.int32)
+    if order is None or len(order) < count:
+        order = _SCRATCH.order = np.arange(max(count, 1024), dtype=np.int32)
+    return stamps, order[:count]
+
+
 def _check_host_pages(pages: np.ndarray, num_pages: int) -> None:
-    """Range and duplicate check in two passes (this runs on every host page list)."""
-    seen = np.zeros(num_pages, dtype=np.bool_)
-    try:
-        seen[pages] = True  # an index >= num_pages raises; a negative one wraps, hence min()
-    except IndexError:
+    """Range and duplicate check (this runs on every host page list).
+
+    A pool at most 16x the list: mark a pool-sized bool array and count (two fast
+    passes). A larger pool (a million pages): each position stamps its page with its
+    own index in a per-thread scratch array; a page named twice keeps only the later
+    stamp, so reading the stamps back differs exactly where ids repeat, and nothing
+    proportional to the pool is touched.
+    """
+    if int(pages.min()) < 0 or int(pages.max()) >= num_pages:
         _raise_outside(pages, num_pages)
-    if int(pages.min()) < 0:
-        _raise_outside(pages, num_pages)
-    if np.count_nonzero(seen) != len(pages):
+    if num_pages <= 16 * len(pages):
+        seen = np.zeros(num_pages, dtype=np.bool_)
+        seen[pages] = True
+        unique = np.count_nonzero(seen) == len(pages)
+    else:
+        stamps, order = _scratch(num_pages, len(pages))
+        stamps[pages] = order
+        unique = np.array_equal(stamps[pages], order)
+    if not unique:
         values, counts = np.unique(pages, return_counts=True)
         raise ValueError(f"page index {int(values[counts > 1][0])} appears more than once")
 

@@ -12,8 +12,10 @@ Design:
   is touched once, so loads are evict-first and stores streaming.
 - `tile()` picks the shape: up to TILE_BYTES of token rows per step. With
   PROGRAMS_PER_SM = 0 every program copies one tile of one buffer (grid: token
-  blocks x buffers), the configuration last measured on an H200 (0.82-0.90 of a
-  device copy on page-64 shapes, 0.47-0.80 on page-1 shapes, docs/benchmarks.md).
+  blocks x buffers), the configuration measured best on an H200: 16 KiB tiles, 8
+  warps, 0.95-0.99 of a device copy (gather) and 0.95 (scatter) on all four bench
+  shapes as the device sees it (graph replay), against 0.84-0.89 / 0.91-0.93 with
+  the 128 KiB tiles before (benchmarks/staging_kernel_sweep.py, docs/benchmarks.md).
   With PROGRAMS_PER_SM = n, buffers fold into walks that leave about n programs per
   multiprocessor, so index work and program start-up are paid once per
   walk: the candidate for the page-1 shapes, which benchmarks/staging_kernel_sweep.py
@@ -52,9 +54,9 @@ from pdctl.staging import device as dev
 from pdctl.staging.descriptors import pointer_table
 from pdctl.staging.kernels.base import BufferCache, KernelBackend
 
-# The last configuration measured on an H200 (128 KiB tiles, 16 warps, no walks);
-# benchmarks/staging_kernel_sweep.py times the walk variants against it.
-TILE_BYTES = 128 * 1024  # bytes per program step
+# The best configuration measured on an H200 (16 KiB tiles, 8 warps, no walks:
+# benchmarks/staging_kernel_sweep.py, 2026-12-01); the sweep times the others against it.
+TILE_BYTES = 16 * 1024  # bytes per program step
 PROGRAMS_PER_SM = 0  # 0: one tile of one buffer per program; n: walks, >= n programs per SM
 STREAMING = True
 WARPS = 0  # 0: by tile size (16 from 64 KiB, 8 from 16 KiB, else 4); n: always n

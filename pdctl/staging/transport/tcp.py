@@ -45,9 +45,10 @@ from pdctl.staging.transport.pool import WritePool
 from pdctl.staging.transport.tcp_server import Listener, RegionTable
 
 MAX_CONNECTIONS_PER_PEER = 8
-LONG_RANGE_BYTES = (
-    1 << 20
-)  # device writes: ranges this long get a copy each, shorter share one launch
+# Device writes: ranges this long get a copy each, shorter ones share one launch, and
+# a write of at most FEW_RANGES ranges copies each (a launch costs more than a few copies).
+LONG_RANGE_BYTES = 1 << 20
+FEW_RANGES = 4
 
 
 def copy_ranges(device: Any, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
@@ -364,6 +365,8 @@ class TcpTransport(Transport):
         device = self.tensors[mine.regions[int(sources[0])].ptr].device
         stream = self._copy_stream(device)
         long = lengths >= np.uint64(LONG_RANGE_BYTES)
+        if len(lengths) <= FEW_RANGES:
+            long[:] = True  # a launch and a table upload cost more than a few copies
         with dev.device_stream_context(stream):
             for i in np.flatnonzero(long).tolist():
                 region, target = mine.regions[int(sources[i])], theirs.regions[int(targets[i])]
