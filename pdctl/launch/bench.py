@@ -211,7 +211,7 @@ def bench_pd(
             progress(f"{backend}: starting {plan.topology.name}")
             with make_run(plan).serving() as run:
                 progress(f"{backend}: measuring {prompts} requests")
-                row = {"config": f"PD {backend}", "transport": backend}
+                row: dict[str, Any] = {"config": f"PD {backend}", "transport": backend}
                 prefill = run.state("prefill-0").url
                 row.update(measure(run.router_url, work, new_tokens, concurrency, prefill))
                 rows.append(row)

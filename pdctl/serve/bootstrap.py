@@ -32,6 +32,7 @@ from pdctl.serve.pd.protocol import (
     json_int,
     segment_from_json,
 )
+from pdctl.serve.pd.room_state import condition_holds
 
 TOMBSTONE_S = 300.0
 
@@ -54,6 +55,12 @@ class Rooms:
         self._rooms: dict[int, Room] = {}
         self._changed = threading.Condition()
         self.on_sent: Callable[[int, dict[str, Any]], None] | None = None  # a prefill rank reported
+        # registrations, offers or the room's end changed (prefill ranks > 0 learn of it)
+        self.on_change: Callable[[int], None] | None = None
+
+    def _changed_room(self, room: int) -> None:
+        if self.on_change is not None:
+            self.on_change(room)
 
     def _room(self, room: int) -> Room:
         self._purge()
@@ -103,6 +110,7 @@ class Rooms:
                 )
             item.registrations[registration.decode_rank] = registration
             self._changed.notify_all()
+        self._changed_room(registration.room)
 
     def add_segments(self, room: int, rank: int, segments: list[SegmentRegion]) -> None:
         with self._changed:
@@ -113,6 +121,7 @@ class Rooms:
                 )
             item.registrations[rank].segments.extend(segments)
             self._changed.notify_all()
+        self._changed_room(room)
 
     def set_result(self, room: int, result: dict[str, Any]) -> None:
         with self._changed:
@@ -134,6 +143,7 @@ class Rooms:
                 item.closed = f"failed: {reason}"
                 item.created = time.monotonic()
                 self._changed.notify_all()
+        self._changed_room(room)
 
     def close(self, room: int, how: str) -> None:
         with self._changed:
@@ -143,6 +153,7 @@ class Rooms:
             # a tombstone (kept TOMBSTONE_S to refuse replays) needs no page lists
             item.registrations, item.sent = {}, {}
             self._changed.notify_all()
+        self._changed_room(room)
 
     def wait_for(self, room: int, condition: dict[str, int], timeout: float) -> dict[str, Any]:
         """The room's snapshot once `condition` holds, it closed, or `timeout` passed.
@@ -150,18 +161,10 @@ class Rooms:
         `{"ranks": n}`: n decode ranks registered; `{"decode_rank": r}`: rank r did;
         `{"decode_rank": r, "segment": i}`: rank r offered a region for segment i; `{}`: now.
         """
-        ranks = int(condition.get("ranks", 0))
-        rank, segment = condition.get("decode_rank"), condition.get("segment")
 
         def ready(item: Room) -> bool:
-            if len(item.registrations) < ranks:
-                return False
-            if rank is None:
-                return True
-            registration = item.registrations.get(int(rank))
-            if registration is None or segment is None:
-                return registration is not None
-            return any(s.index == int(segment) for s in registration.segments)
+            offered = {r: [s.index for s in reg.segments] for r, reg in item.registrations.items()}
+            return condition_holds(offered, condition)
 
         self.wait(room, ready, timeout)
         return self.snapshot(room)

@@ -4,7 +4,9 @@ Rank 0 runs the scheduler. Before each forward it broadcasts the batch to the
 other ranks as int64 tensors (never pickled objects), then every rank runs the
 same forward, exchanging row-parallel partials with `gather`. Other operations
 (the KV transfers of the PD roles) register handlers by op code, so one loop
-serves them all.
+serves them all. A second group on host memory (`publish` / `listen`) carries
+messages that arrive off the step protocol, from a thread of their own: prefill
+rank 0 tells its other ranks how decode registered each room (`pd/room_state.py`).
 
     header  int64[4]  (op, a, b, c)
     FORWARD payload   per piece (n, start, want_logits, rows) | tokens | rows
@@ -64,6 +66,9 @@ class TPGroup:
             store = dist.TCPStore(host, port, world, False, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         self.handlers: dict[int, Handler] = {}
+        # A second group, on host memory, for messages off the step protocol: rank 0
+        # publishes from one thread, the others listen on one (see `publish`/`listen`).
+        self.control = dist.new_group(backend="gloo", timeout=timeout)
 
     def gather(self, partials: torch.Tensor) -> torch.Tensor:
         local = partials.to("cpu") if self.via_host else partials.contiguous()
@@ -87,6 +92,27 @@ class TPGroup:
         if size:
             dist.broadcast(payload, src=0)
         return op, payload
+
+    def publish(self, message: bytes | None) -> None:
+        """Rank 0, from one thread only: broadcast a message on the control group
+        (None: the last one, after which the listeners return)."""
+        size = -1 if message is None else len(message)
+        dist.broadcast(torch.tensor([size], dtype=torch.int64), src=0, group=self.control)
+        if message:
+            payload = torch.frombuffer(bytearray(message), dtype=torch.uint8)
+            dist.broadcast(payload, src=0, group=self.control)
+
+    def listen(self) -> bytes | None:
+        """Ranks > 0, from one thread only: the next published message (None: the end)."""
+        header = torch.empty(1, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.control)
+        size = int(header[0])
+        if size < 0:
+            return None
+        payload = torch.empty(size, dtype=torch.uint8)
+        if size:
+            dist.broadcast(payload, src=0, group=self.control)
+        return payload.numpy().tobytes()
 
     def close(self) -> None:
         if dist.is_initialized():

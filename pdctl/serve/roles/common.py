@@ -97,8 +97,13 @@ def run_servers(apps: list[tuple[FastAPI, str, int]]) -> None:
     asyncio.run(main())
 
 
-def serve(rank: Rank, context: ServerContext, apps: list[tuple[FastAPI, str, int]]) -> None:
-    """Run the role's HTTP servers, then stop the engine and the other ranks."""
+def serve(
+    rank: Rank,
+    context: ServerContext,
+    apps: list[tuple[FastAPI, str, int]],
+    before_stop: Callable[[], None] | None = None,
+) -> None:
+    """Run the role's HTTP servers, then stop the engine, `before_stop`, the other ranks."""
     if rank.children:
 
         def died(message: str) -> None:
@@ -111,6 +116,8 @@ def serve(rank: Rank, context: ServerContext, apps: list[tuple[FastAPI, str, int
         run_servers(apps)
     finally:
         context.engine.stop()
+        if before_stop is not None:
+            before_stop()
         stop_ranks(rank)
 
 

@@ -22,6 +22,7 @@ from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import Client, run_secret, warn_if_no_secret
 from pdctl.serve.pd.embeddings import EmbeddingError, EmbeddingReceiver
 from pdctl.serve.pd.endpoint import make_transport
+from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher
 from pdctl.serve.pd.sender import KVSender
 from pdctl.serve.request import Request
 from pdctl.serve.roles.common import build_engine, serve, server_info
@@ -185,6 +186,9 @@ def run(rank: Rank) -> None:
     rooms = Rooms(layout_of(rank), args.bootstrap_timeout)
     hooks = PrefillHooks(rank, rooms)
     rooms.on_sent = hooks.report
+    publisher = RoomPublisher(rank.group, rooms) if rank.group is not None else None
+    if publisher is not None:  # the other ranks learn registrations over the TP group
+        rooms.on_change = publisher.changed
     hooks.embeddings = EmbeddingReceiver(
         EmbeddingPool(
             device_type=rank.device.type,
@@ -226,23 +230,21 @@ def run(rank: Rank) -> None:
             args.bootstrap_port,
         ),
     ]
-    serve(rank, context, apps)
+    serve(rank, context, apps, before_stop=publisher.close if publisher is not None else None)
 
 
 def run_worker(rank: Rank) -> None:
-    """Ranks > 0: send when rank 0 says so; read rooms from rank 0's bootstrap endpoint."""
+    """Ranks > 0: send when rank 0 says so; rooms' registrations arrive over the TP
+    group (`RoomMirror`); reports go to rank 0's bootstrap endpoint."""
     args: ServerArgs = rank.args
     client = Client(f"http://127.0.0.1:{args.bootstrap_port}", "prefill rank 0 bootstrap", 40.0)
-
-    def snapshot(room: int, wait: float, condition: dict[str, int]) -> dict[str, Any]:
-        params: dict[str, Any] = {"wait": wait, **condition}
-        return client.call("GET", f"/bootstrap/room/{room}", params=params)
+    assert rank.group is not None
+    mirror = RoomMirror(rank.group)
 
     def report(room: int, body: dict[str, Any]) -> None:
         client.call("POST", "/internal/sent", json={"room": room, **body})
 
-    sender = make_sender(rank, snapshot, report)
-    assert rank.group is not None
+    sender = make_sender(rank, mirror.wait_for, report)
 
     def on_send(payload: Any) -> None:
         message = proto.tensor_json(payload)

@@ -1,0 +1,109 @@
+"""Prefill ranks > 0 learn rooms over the TP group: the publisher and the mirror.
+
+The channel here is an in-process queue with the TP group's contract (rank 0
+publishes from one thread, a rank listens on one); `tests/serve/test_pd.py` runs
+the real thing (gloo) in prefill TP2 topologies.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from pdctl.serve.bootstrap import Rooms
+from pdctl.serve.pd import protocol as proto
+from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher, condition_holds
+
+LAYOUT = {"page_size": 16, "num_layers": 2, "head_dim": 8, "elem_bytes": 4}
+
+
+class QueueChannel:
+    def __init__(self) -> None:
+        self.messages: queue.Queue[bytes | None] = queue.Queue()
+        self.published = 0
+
+    def publish(self, message: bytes | None) -> None:
+        self.published += 1
+        self.messages.put(message)
+
+    def listen(self) -> bytes | None:
+        return self.messages.get(timeout=10)
+
+
+def registration(room: int, rank: int) -> proto.Registration:
+    return proto.Registration(
+        room=room, decode_rank=rank, decode_tp=2, decode_name=f"decode rank {rank}",
+        transport="", num_tokens=32, page_size=16, mode="staging", kv_heads=2, head_dim=8,
+        num_layers=2, elem_bytes=4, segment_bytes=1 << 20,
+    )  # fmt: skip
+
+
+def segment(index: int) -> proto.SegmentRegion:
+    return proto.SegmentRegion(index, index, 1, 4096 * (index + 1), 0, 4096, 4096, (0, 0))
+
+
+def test_condition_holds_like_the_registry_waits() -> None:
+    assert condition_holds({}, {}) is True
+    assert condition_holds({}, {"ranks": 1}) is False
+    assert condition_holds({0: [], 1: [0]}, {"ranks": 2}) is True
+    assert condition_holds({1: []}, {"decode_rank": 1}) is True
+    assert condition_holds({1: []}, {"decode_rank": 0}) is False
+    assert condition_holds({1: [0, 2]}, {"decode_rank": 1, "segment": 2}) is True
+    assert condition_holds({1: [0, 2]}, {"decode_rank": 1, "segment": 1}) is False
+
+
+def test_a_mirror_sees_registrations_offers_and_the_end_of_a_room() -> None:
+    rooms, channel = Rooms(LAYOUT, 30.0), QueueChannel()
+    publisher = RoomPublisher(channel, rooms)
+    rooms.on_change = publisher.changed
+    mirror = RoomMirror(channel)
+    waited: dict[str, object] = {}
+
+    def sender() -> None:  # what a rank-1 sender does: wait for rank 1's segment 1
+        waited["state"] = mirror.wait_for(7, {"decode_rank": 1, "segment": 1}, 10.0)
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    assert mirror.wait_for(7, {"ranks": 1}, 0.05)["registrations"] == {}  # nothing yet
+    rooms.register(registration(7, 0))
+    rooms.register(registration(7, 1))
+    assert set(mirror.wait_for(7, {"ranks": 2}, 5.0)["registrations"]) == {"0", "1"}
+    rooms.add_segments(7, 1, [segment(0)])
+    rooms.add_segments(7, 1, [segment(1)])
+    thread.join(10)
+    state = waited["state"]
+    assert isinstance(state, dict)
+    assert [s["index"] for s in state["registrations"]["1"]["segments"]] == [0, 1]
+    rooms.close(7, "failed: decode went away")
+    closed = mirror.wait_for(7, {"decode_rank": 0, "segment": 9}, 5.0)
+    assert closed["closed"] == "failed: decode went away"  # a closed room ends every wait
+    publisher.close()
+    deadline = time.monotonic() + 5
+    while not mirror.ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert mirror.ended  # the end of the channel reached the listener
+    assert mirror.wait_for(8, {"ranks": 1}, 5.0)["registrations"] == {}  # at once after the end
+
+
+def test_changes_that_pile_up_go_out_as_one_snapshot() -> None:
+    rooms = Rooms(LAYOUT, 30.0)
+    gate = threading.Event()
+
+    class SlowChannel(QueueChannel):
+        def publish(self, message: bytes | None) -> None:
+            gate.wait(10)  # the first broadcast is in flight while the offers arrive
+            super().publish(message)
+
+    channel = SlowChannel()
+    publisher = RoomPublisher(channel, rooms)
+    rooms.on_change = publisher.changed
+    rooms.register(registration(3, 0))
+    for index in range(20):
+        rooms.add_segments(3, 0, [segment(index)])
+    gate.set()
+    publisher.close()
+    assert channel.published <= 3  # the registration, the piled-up offers, the end
+    mirror = RoomMirror(channel)
+    state = mirror.wait_for(3, {"decode_rank": 0, "segment": 19}, 5.0)
+    assert len(state["registrations"]["0"]["segments"]) == 20
