@@ -154,16 +154,15 @@ def copy_ceiling_gbps(device: str, nbytes: int = 256 << 20) -> float | None:
         return None
     import torch
 
-    from pdctl.staging import device as dev
-
-    where = dev.resolve_device(device)
+    where = torch.device(device if ":" in device else f"{device}:0")
+    module = getattr(torch, where.type)  # torch.cuda, torch.xpu, torch.npu: synchronize()
     source = torch.ones(nbytes, dtype=torch.uint8, device=where)
     target = torch.empty_like(source)
     times = []
     for _ in range(11):
         started = time.perf_counter()
         target.copy_(source)
-        dev.synchronize(where)
+        module.synchronize(where)
         times.append(time.perf_counter() - started)
     del source, target
     return round(nbytes / statistics.median(times[2:]) / 1e9, 1)

@@ -9,6 +9,9 @@ when a request arrives after `after` were accepted), and prefill and the colocat
 reference `perturb-prefix-hit` (another first token after every radix-cache hit).
 `every` picks every Nth room; the first `spare` rooms or requests (the launcher's
 canary) are never faulted.
+
+The KV path draws a room's faults once, as a `RoomFaults`, and hands that object
+down; nothing on the hot path looks faults up by name.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import logging
 import os
 import signal
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("pdctl.serve")
@@ -95,3 +99,28 @@ def faults() -> Faults:
     if _faults is None:
         _faults = Faults.from_env()
     return _faults
+
+
+@dataclass(frozen=True)
+class RoomFaults:
+    """The faults one room's KV transfer gets, drawn once (all off unless injected)."""
+
+    corrupt_kv: bool = False  # prefill: flip a byte of the first segment after its digests
+    delay_s: float | None = None  # prefill: hold the room this long before sending
+    drop_first_scatter: bool = False  # decode: skip the first segment's scatter
+
+    @classmethod
+    def for_prefill(cls, hold_s: float, source: Faults | None = None) -> RoomFaults:
+        """Prefill's draw, once the room's first decode rank registered; `hold_s` is the
+        delay when `delay-transfer` names no `seconds` (past decode's timeout)."""
+        found = source if source is not None else faults()
+        corrupt = found.hit("corrupt-kv") is not None
+        delay = found.hit("delay-transfer")
+        delay_s = None if delay is None else float(delay.get("seconds") or hold_s)
+        return cls(corrupt_kv=corrupt, delay_s=delay_s)
+
+    @classmethod
+    def for_decode(cls, source: Faults | None = None) -> RoomFaults:
+        """Decode's draw, for a room received through the staging ring."""
+        found = source if source is not None else faults()
+        return cls(drop_first_scatter=found.hit("drop-scatter") is not None)

@@ -4,6 +4,10 @@ Device pointers can set bit 63 (XPU kernel-space addresses), which a signed int6
 reads as negative and `torch.tensor(..., dtype=torch.int64)` rejects. Every
 descriptor here is a `np.uint64` array, and pointer tables for kernels are built
 through a uint64 -> int64 bit cast, never through a signed conversion.
+
+The address arithmetic of a transfer lives here too: where a region of a ring is,
+where a writer's block goes in it (`layout`), and the writes of a direct transfer
+(pages, or token rows of a head slice, straight into a peer's KV buffers).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from pdctl.staging.layout import HeadSlice, StagingLayout
 
 U64_MASK = (1 << 64) - 1
 
@@ -73,6 +79,83 @@ def page_descriptors(
     src = (as_u64(src_bases)[:, None] + src_off[None, :]).reshape(-1)
     dst = (as_u64(dst_bases)[:, None] + dst_off[None, :]).reshape(-1)
     return src, dst, np.full(src.shape, page_bytes, dtype=np.uint64)
+
+
+def offset_address(base: int, offset: int) -> int:
+    """`base + offset` as an unsigned 64-bit address (a byte of a registered buffer)."""
+    return unsigned_ptr(unsigned_ptr(base) + offset)
+
+
+def block_address(region_address: int, layout: StagingLayout, writer: int, num_tokens: int) -> int:
+    """Where writer `writer`'s block of a `num_tokens` segment goes in a ring region."""
+    return offset_address(region_address, layout.block_offset(writer, num_tokens))
+
+
+def kv_bases(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor]) -> list[int]:
+    """Base addresses of per-layer KV buffers in transfer order: [L0.K, L0.V, L1.K, ...]."""
+    return [tensor_ptr(b) for pair in zip(k_buffers, v_buffers, strict=True) for b in pair]
+
+
+def head_slice_descriptors(
+    src_bases: Sequence[int],
+    dst_bases: Sequence[int],
+    src_pages: Sequence[int] | np.ndarray,
+    dst_pages: Sequence[int] | np.ndarray,
+    *,
+    page_size: int,
+    head_bytes: int,
+    src_heads: int,
+    dst_heads: int,
+    piece: HeadSlice,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One write per buffer and token row: the slice's heads of every row of `src_pages`
+    into the matching row of `dst_pages` (buffer-major, rows in page order).
+
+    A buffer is [pool_tokens, heads, head_bytes]; token row t = page * page_size + i:
+
+        src row t:  | h0 | .. | h(src_head_start) .. +num_heads | .. |   src_heads heads
+        dst row t': | h0 | .. | h(dst_head_start) .. +num_heads | .. |   dst_heads heads
+        src = src_base + t * src_heads * head_bytes + src_head_start * head_bytes
+    """
+    if len(src_bases) != len(dst_bases) or len(src_pages) != len(dst_pages):
+        raise ValueError("buffer and page lists must pair up")
+
+    def rows(pages: Sequence[int] | np.ndarray) -> np.ndarray:  # [num_pages * page_size]
+        first = as_u64(np.asarray(pages, dtype=np.int64)) * np.uint64(page_size)
+        return (first[:, None] + np.arange(page_size, dtype=np.uint64)[None, :]).reshape(-1)
+
+    src_start = as_u64(src_bases) + np.uint64(piece.src_head_start * head_bytes)
+    dst_start = as_u64(dst_bases) + np.uint64(piece.dst_head_start * head_bytes)
+    src_offsets = rows(src_pages) * np.uint64(src_heads * head_bytes)
+    dst_offsets = rows(dst_pages) * np.uint64(dst_heads * head_bytes)
+    src = (src_start[:, None] + src_offsets[None, :]).reshape(-1)
+    dst = (dst_start[:, None] + dst_offsets[None, :]).reshape(-1)
+    return src, dst, np.full(src.shape, piece.num_heads * head_bytes, dtype=np.uint64)
+
+
+def direct_descriptors(
+    src_bases: Sequence[int],
+    dst_bases: Sequence[int],
+    src_pages: Sequence[int] | np.ndarray,
+    dst_pages: Sequence[int] | np.ndarray,
+    *,
+    page_size: int,
+    head_bytes: int,
+    src_heads: int,
+    dst_heads: int,
+    piece: HeadSlice,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A direct (unstaged) transfer of one head slice into a peer's KV pages: whole pages
+    when both sides hold exactly the slice's heads, else one write per token row."""
+    if src_heads == piece.num_heads and dst_heads == piece.num_heads:
+        page_bytes = page_size * src_heads * head_bytes
+        return page_descriptors(
+            src_bases, dst_bases, np.asarray(src_pages), np.asarray(dst_pages), page_bytes
+        )
+    return head_slice_descriptors(
+        src_bases, dst_bases, src_pages, dst_pages, page_size=page_size,
+        head_bytes=head_bytes, src_heads=src_heads, dst_heads=dst_heads, piece=piece,
+    )  # fmt: skip
 
 
 def xpu_pointer_type(pointer: int) -> str:

@@ -1,14 +1,23 @@
-"""Digests detect corruption and placement; pointers never lose bit 63."""
+"""Digests detect corruption and placement; pointers never lose bit 63; direct-write
+descriptors match a brute-force construction and move the right bytes."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdctl.staging.descriptors import (
     as_u64,
+    block_address,
+    direct_descriptors,
+    head_slice_descriptors,
+    kv_bases,
+    offset_address,
     page_descriptors,
     pointer_table,
     region_descriptors,
@@ -16,6 +25,8 @@ from pdctl.staging.descriptors import (
     xpu_pointer_type,
 )
 from pdctl.staging.digest import block_digests, chunk_digests, first_mismatch
+from pdctl.staging.layout import HeadSlice, StagingLayout, head_slices
+from tests.staging.kv_factory import as_bits, random_kv
 
 HIGH = 0xFF00_0000_0000_1000  # an XPU kernel-space style address, bit 63 set
 
@@ -78,3 +89,100 @@ def test_pointer_table_keeps_the_bit_pattern() -> None:
     table = pointer_table([Fake(HIGH), Fake(4096)], torch.device("cpu"))  # type: ignore[list-item]
     assert table.dtype == torch.int64
     assert int(table[0]) & (2**64 - 1) == HIGH and int(table[1]) == 4096
+
+
+def test_ring_and_block_addresses_are_unsigned() -> None:
+    assert offset_address(HIGH, 4096) == HIGH + 4096
+    assert offset_address(-4096, 4096) == 0  # a signed pointer is read as unsigned first
+    layout = StagingLayout(3, 8, 2, head_slices(4, 2, 1, 0))  # two writers, two heads each
+    assert block_address(HIGH, layout, 0, 16) == HIGH
+    assert block_address(HIGH, layout, 1, 16) == HIGH + 2 * 3 * 16 * 8 * 2 * 2
+
+
+def brute_force(src_bases, dst_bases, src_pages, dst_pages, page, head_bytes, src_heads,
+                dst_heads, piece):  # fmt: skip
+    """One descriptor per buffer and token row, spelled out."""
+    found = []
+    for src_base, dst_base in zip(src_bases, dst_bases, strict=True):
+        for src_page, dst_page in zip(src_pages, dst_pages, strict=True):
+            for i in range(page):
+                src_row, dst_row = src_page * page + i, dst_page * page + i
+                found.append((
+                    (src_base + (src_row * src_heads + piece.src_head_start) * head_bytes) % 2**64,
+                    (dst_base + (dst_row * dst_heads + piece.dst_head_start) * head_bytes) % 2**64,
+                    piece.num_heads * head_bytes,
+                ))  # fmt: skip
+    return found
+
+
+# (source heads, destination heads, the slice): replicated, split, merged, offset
+HEAD_CASES = [
+    (4, 2, HeadSlice(0, 2, 0, 2)),
+    (2, 4, HeadSlice(1, 0, 2, 2)),
+    (4, 1, HeadSlice(0, 3, 0, 1)),
+    (1, 4, HeadSlice(3, 0, 3, 1)),
+    (8, 4, HeadSlice(0, 1, 1, 3)),
+]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.sampled_from(HEAD_CASES),
+    st.lists(st.integers(0, 63), min_size=1, max_size=6, unique=True),
+    st.integers(1, 4),
+    st.sampled_from([HIGH, 4096, 2**63]),
+)
+def test_head_slice_descriptors_match_a_brute_force_construction(heads, pages, page, base) -> None:
+    src_heads, dst_heads, piece = heads
+    layers, head_bytes = 3, 64
+    pool = 64 * page * max(src_heads, dst_heads) * head_bytes
+    src_bases = [base + n * pool for n in range(2 * layers)]
+    dst_bases = [2**62 + n * pool for n in range(2 * layers)]
+    dst_pages = [(p * 7 + 3) % 64 for p in pages]
+    src, dst, lengths = head_slice_descriptors(
+        src_bases, dst_bases, pages, dst_pages, page_size=page, head_bytes=head_bytes,
+        src_heads=src_heads, dst_heads=dst_heads, piece=piece,
+    )  # fmt: skip
+    assert src.dtype == dst.dtype == lengths.dtype == np.uint64
+    built = list(zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True))
+    expected = brute_force(src_bases, dst_bases, pages, dst_pages, page, head_bytes,
+                           src_heads, dst_heads, piece)  # fmt: skip
+    assert built == expected
+
+
+@pytest.mark.parametrize(
+    ("src_heads", "dst_heads", "piece"),
+    [
+        (4, 2, HeadSlice(0, 2, 0, 2)),  # prefill TP1 -> decode TP2 rank 1: token rows
+        (2, 4, HeadSlice(1, 0, 2, 2)),  # prefill TP2 rank 1 -> decode TP1: token rows
+        (2, 2, HeadSlice(0, 0, 0, 2)),  # equal TP: whole pages
+    ],
+)
+def test_direct_descriptors_move_the_head_slice_into_the_peer_pages(
+    src_heads, dst_heads, piece
+) -> None:
+    page, layers, dim = 4, 2, 8
+    src_k, src_v = random_kv(layers, 16 * page, src_heads, dim, torch.bfloat16, seed=1)
+    dst_k, dst_v = random_kv(layers, 16 * page, dst_heads, dim, torch.bfloat16, seed=2)
+    src_pages, dst_pages = [3, 0, 7], [5, 11, 2]
+    src, dst, lengths = direct_descriptors(
+        kv_bases(src_k, src_v), kv_bases(dst_k, dst_v), src_pages, dst_pages, page_size=page,
+        head_bytes=dim * 2, src_heads=src_heads, dst_heads=dst_heads, piece=piece,
+    )  # fmt: skip
+    whole_pages = src_heads == dst_heads == piece.num_heads
+    assert len(src) == 2 * layers * len(src_pages) * (1 if whole_pages else page)
+    for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True):
+        ctypes.memmove(d, s, n)  # what a transport does with them
+    src_rows = torch.tensor([p * page + i for p in src_pages for i in range(page)])
+    dst_rows = torch.tensor([p * page + i for p in dst_pages for i in range(page)])
+    src_heads_slice = slice(piece.src_head_start, piece.src_head_start + piece.num_heads)
+    dst_heads_slice = slice(piece.dst_head_start, piece.dst_head_start + piece.num_heads)
+    for sent, landed in zip([*src_k, *src_v], [*dst_k, *dst_v], strict=True):
+        assert torch.equal(
+            as_bits(landed)[dst_rows, dst_heads_slice], as_bits(sent)[src_rows, src_heads_slice]
+        )
+
+
+def test_kv_bases_interleave_k_and_v_per_layer() -> None:
+    k, v = random_kv(2, 8, 1, 4, torch.float32, seed=3)
+    assert kv_bases(k, v) == [unsigned_ptr(t.data_ptr()) for t in (k[0], v[0], k[1], v[1])]

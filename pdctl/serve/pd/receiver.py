@@ -4,9 +4,14 @@ The room's event was recorded on the scheduler stream right after its pages and
 req_to_token row were written (the caller does that, then calls `receive`).
 Staging: offer ring regions for the first segments (only regions the watermark
 has freed), register with prefill's bootstrap, then per segment wait for every
-writer's notification, check the digests, scatter (after the room's event), free
-the region and offer the next. Direct: register the pages, wait, verify the
-digests of what landed. Each outcome is reported with what went wrong and where.
+writer's notification, land it (the handler checks the ring's digests, scatters
+after the room's event, checks the pages and frees the region) and offer the
+next. Direct: register the pages, wait, check the pages hold what was sent. Each
+outcome is reported with what went wrong and where.
+
+The staging handlers own the ring, its lock and the check buffer: this module
+speaks the protocol (offers become `SegmentRegion`s, notifications digests) and
+never steps a handler through its internals.
 """
 
 from __future__ import annotations
@@ -20,17 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
-from pdctl.serve.faults import faults
+from pdctl.serve.faults import RoomFaults
 from pdctl.serve.kv_pool import KVPool
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import Client, PeerCallError
-from pdctl.staging import device as dev
 from pdctl.staging.allocator import Region
 from pdctl.staging.buffer import StagingRing, init_staging_allocator, init_staging_buffers
 from pdctl.staging.descriptors import tensor_ptr
-from pdctl.staging.digest import block_digests
-from pdctl.staging.handler import DecodeStagingHandler
-from pdctl.staging.kernels import gather_all_layers_to_staging
+from pdctl.staging.handler import DecodeStagingHandler, DigestMismatch, LandFaults, Offer
 from pdctl.staging.layout import Segment, StagingLayout, head_slices, plan_segments
 from pdctl.staging.transport import Transport, TransportError
 
@@ -40,6 +42,15 @@ Report = Callable[[int, dict[str, Any]], None]
 
 class ReceiveFailed(RuntimeError):
     pass
+
+
+def segment_region(offer: Offer) -> proto.SegmentRegion:
+    """A handler's offer as the protocol carries it to prefill."""
+    segment, region, watermark = offer.segment, offer.region, offer.watermark
+    return proto.SegmentRegion(
+        segment.index, segment.page_start, segment.num_pages, offer.address,
+        region.start, region.size, region.capacity, (watermark.round, watermark.tail),
+    )  # fmt: skip
 
 
 class KVReceiver:
@@ -82,15 +93,16 @@ class KVReceiver:
         (self.check_buffer,) = init_staging_buffers(
             self.segment_bytes, device_type=device.type, gpu_id=device.index
         )
+        # Rooms are received on several threads. The handlers (one per prefill TP) share
+        # the ring and the check buffer, so they share the lock that guards both.
+        self.ring_lock = threading.RLock()
         self.handlers: dict[int, DecodeStagingHandler] = {}  # prefill TP -> handler
+        self.handlers_lock = threading.Lock()  # guards the dict, never a handler's work
         self.infos: dict[str, dict[str, Any]] = {}
         self.clients: dict[str, Client] = {}
         self.executor = ThreadPoolExecutor(4, thread_name_prefix=f"pdctl-recv-{rank}")
         self.heads_total = kv.k_buffers[0].shape[1]
         self.aborted: set[int] = set()
-        # Rooms are received on several threads; the ring, its handlers and the check
-        # buffer are shared, so every step that touches them holds this lock.
-        self.lock = threading.Lock()
 
     # -- helpers ---------------------------------------------------------------------
     def client(self, address: str) -> Client:
@@ -108,19 +120,23 @@ class KVReceiver:
         return self.infos[address]
 
     def handler(self, prefill_tp: int, num_kv_heads: int) -> DecodeStagingHandler:
-        if prefill_tp not in self.handlers:
-            layout = StagingLayout(
-                len(self.kv.k_buffers), self.kv.k_buffers[0].shape[2], self.kv.kv.element_size(),
-                head_slices(num_kv_heads, prefill_tp, self.tp, self.rank),
-            )  # fmt: skip
-            self.handlers[prefill_tp] = DecodeStagingHandler(
-                self.kv.k_buffers,
-                self.kv.v_buffers,
-                page_size=self.kv.page_size,
-                ring=self.ring,
-                layout=layout,
-            )
-        return self.handlers[prefill_tp]
+        with self.handlers_lock:
+            if prefill_tp not in self.handlers:
+                layout = StagingLayout(
+                    len(self.kv.k_buffers), self.kv.k_buffers[0].shape[2],
+                    self.kv.kv.element_size(),
+                    head_slices(num_kv_heads, prefill_tp, self.tp, self.rank),
+                )  # fmt: skip
+                self.handlers[prefill_tp] = DecodeStagingHandler(
+                    self.kv.k_buffers,
+                    self.kv.v_buffers,
+                    page_size=self.kv.page_size,
+                    ring=self.ring,
+                    layout=layout,
+                    lock=self.ring_lock,
+                    check_buffer=self.check_buffer,
+                )
+            return self.handlers[prefill_tp]
 
     # -- one room --------------------------------------------------------------------
     def receive(
@@ -168,8 +184,7 @@ class KVReceiver:
             num_layers=len(self.kv.k_buffers), elem_bytes=self.kv.kv.element_size(),
             segment_bytes=self.segment_bytes,
         )  # fmt: skip
-        with self.lock:
-            handler = self.handler(prefill_tp, heads)
+        handler = self.handler(prefill_tp, heads)
         if staged:
             return self._staged(room, pages, base, handler, bootstrap, ready)
         return self._direct(room, pages, base, handler, bootstrap)
@@ -180,49 +195,11 @@ class KVReceiver:
             "POST", "/bootstrap/register", json=registration.to_json(), retry_until=deadline
         )
 
-    def _offer(
-        self,
-        handler: DecodeStagingHandler,
-        room: int,
-        plan: tuple[Segment, ...],
-        offered: dict[int, Region],
-    ) -> list[proto.SegmentRegion]:
-        """Assign ring regions for the next segments while the ring has free space."""
-        fresh = []
-        for segment in plan:
-            if segment.index in offered:
-                continue
-            region = handler.assign_region(room, segment)
-            if region is None:
-                break
-            offered[segment.index] = region
-            watermark = self.ring.allocator.watermark
-            fresh.append(
-                proto.SegmentRegion(
-                    segment.index,
-                    segment.page_start,
-                    segment.num_pages,
-                    self.ring.buffer.ptr + region.offset,
-                    region.start,
-                    region.size,
-                    region.capacity,
-                    (watermark.round, watermark.tail),
-                )
-            )
-        return fresh
-
     def _offer_more(
-        self,
-        handler: DecodeStagingHandler,
-        room: int,
-        plan: tuple[Segment, ...],
-        offered: dict[int, Region],
-        bootstrap: str,
+        self, handler: DecodeStagingHandler, room: int, plan: tuple[Segment, ...], bootstrap: str
     ) -> None:
         """Offer prefill regions for the next segments, as far as the ring has space."""
-        with self.lock:
-            handler.reap(room)  # regions whose scatter finished are free again
-            more = self._offer(handler, room, plan, offered)
+        more = [segment_region(offer) for offer in handler.offer(room, plan)]
         if more:
             body = {"room": room, "decode_rank": self.rank, "segments": [asdict(s) for s in more]}
             self.client(bootstrap).call("POST", "/bootstrap/segments", json=body)
@@ -233,12 +210,11 @@ class KVReceiver:
         room: int,
         plan: tuple[Segment, ...],
         segment: Segment,
-        offered: dict[int, Region],
         bootstrap: str,
     ) -> Region:
         """Wait until the ring frees a region for `segment` (other rooms' data drains)."""
         deadline = time.monotonic() + self.transfer_timeout
-        while segment.index not in offered:
+        while (region := handler.region_of(room, segment)) is None:
             if room in self.aborted:
                 raise ReceiveFailed(f"{self.name}: room {room} was aborted")
             if time.monotonic() >= deadline:
@@ -247,10 +223,10 @@ class KVReceiver:
                     f"room {room} within {self.transfer_timeout:g} s (the ring is full of other "
                     "rooms' data; a larger --staging-pool-mb helps)"
                 )
-            self._offer_more(handler, room, plan, offered, bootstrap)
-            if segment.index not in offered:
+            self._offer_more(handler, room, plan, bootstrap)
+            if handler.region_of(room, segment) is None:
                 time.sleep(0.002)
-        return offered[segment.index]
+        return region
 
     def _staged(
         self,
@@ -261,52 +237,44 @@ class KVReceiver:
         bootstrap: str,
         ready: Any,
     ) -> dict[str, Any]:
-        with self.lock:
-            handler.register_room(room, pages, ready=ready)
+        drop = RoomFaults.for_decode().drop_first_scatter  # fault injection, drawn once
+        handler.open_room(room, pages, ready=ready, faults=LandFaults(skip_first_scatter=drop))
         try:
-            layout = handler.layout
             plan = plan_segments(
-                len(pages), self.kv.page_size, layout.bytes_per_token(), self.segment_bytes
+                len(pages), self.kv.page_size, handler.layout.bytes_per_token(), self.segment_bytes
             )
-            offered: dict[int, Region] = {}
-            drop = faults().hit("drop-scatter") is not None  # fault injection
             # Register at once, even with the ring full: prefill serves each decode rank
             # as it registers, and regions are offered as they free.
-            with self.lock:
-                registration.segments = self._offer(handler, room, plan, offered)
+            registration.segments = [segment_region(o) for o in handler.offer(room, plan)]
             self._register(bootstrap, registration)
             total = 0
             for segment in plan:
-                region = self._region_for(handler, room, plan, segment, offered, bootstrap)
+                region = self._region_for(handler, room, plan, segment, bootstrap)
                 wait = (
                     self.bootstrap_timeout + self.transfer_timeout
                     if segment.index == 0
                     else self.transfer_timeout
                 )
-                expected = self._await(room, segment.index, layout, wait, bootstrap)
-                with self.lock:
-                    mismatch = handler.check_digests(region, segment, expected)
-                    if mismatch is None:
-                        if not (drop and segment.index == 0):
-                            handler.scatter(room, region, segment)
-                        dev.synchronize_stream(handler.scatter_stream)
-                        self._verify_pages(
-                            room, pages, layout, (segment,), expected,
-                            f"after the scatter of segment {segment.index}",
-                        )  # fmt: skip
-                        handler.reap(room)
+                expected = self._await(room, segment.index, handler.layout, wait, bootstrap)
+                mismatch = handler.land(room, segment, expected)
                 if mismatch is not None:
-                    raise ReceiveFailed(
-                        f"KV corruption in room {room}: layer {mismatch.layer} {mismatch.kv} "
-                        f"from prefill rank {mismatch.prefill_rank} to decode rank {self.rank} "
-                        f"(in the staging ring, segment {segment.index})"
+                    where = (
+                        f"in the staging ring, segment {segment.index}"
+                        if mismatch.place == "ring"
+                        else f"after the scatter of segment {segment.index}"
                     )
+                    raise self._corruption(room, mismatch, where)
                 total += region.size
-                self._offer_more(handler, room, plan, offered, bootstrap)
+                self._offer_more(handler, room, plan, bootstrap)
             return {"bytes": total, "segments": len(plan), "staging": True}
         finally:
-            with self.lock:
-                handler.release_room(room)
+            handler.close_room(room)
+
+    def _corruption(self, room: int, mismatch: DigestMismatch, where: str) -> ReceiveFailed:
+        return ReceiveFailed(
+            f"KV corruption in room {room}: layer {mismatch.layer} {mismatch.kv} from prefill "
+            f"rank {mismatch.prefill_rank} to decode rank {self.rank} ({where})"
+        )
 
     def _await(
         self, room: int, segment: int, layout: StagingLayout, wait: float, bootstrap: str
@@ -378,41 +346,8 @@ class KVReceiver:
         plan = plan_segments(
             len(pages), self.kv.page_size, layout.bytes_per_token(), self.segment_bytes
         )
-        with self.lock:
-            self._verify_pages(room, pages, layout, plan, expected, "direct write")
+        mismatch = handler.check_pages(pages, plan, expected)
+        if mismatch is not None:
+            raise self._corruption(room, mismatch, "direct write")
         nbytes = len(pages) * self.kv.page_size * layout.bytes_per_token()
         return {"bytes": nbytes, "segments": 0, "staging": False}
-
-    def _verify_pages(
-        self,
-        room: int,
-        pages: list[int],
-        layout: StagingLayout,
-        plan: tuple[Segment, ...],
-        expected: list[list[int]],
-        where: str,
-    ) -> None:
-        """Gather what is in the room's pages for `plan`'s segments and compare it with
-        the writers' digests: proof that the KV landed in the pages, not only the ring."""
-        layers = len(self.kv.k_buffers)
-        for writer, piece in enumerate(layout.slices):
-            received = []
-            for segment in plan:
-                chunk = pages[segment.page_start : segment.page_start + segment.num_pages]
-                nbytes = gather_all_layers_to_staging(
-                    self.kv.k_buffers, self.kv.v_buffers, chunk, self.check_buffer.tensor,
-                    src_head_start=piece.dst_head_start, num_heads=piece.num_heads,
-                    page_size=self.kv.page_size,
-                )  # fmt: skip
-                received += block_digests(self.check_buffer.view(0, nbytes), layers)
-            if received != expected[writer]:
-                index = next(
-                    i
-                    for i, (a, b) in enumerate(zip(received, expected[writer], strict=False))
-                    if a != b
-                )
-                raise ReceiveFailed(
-                    f"KV corruption in room {room}: layer {(index // 2) % layers} "
-                    f"{'KV'[index % 2]} from prefill rank {piece.prefill_rank} to decode rank "
-                    f"{self.rank} ({where})"
-                )

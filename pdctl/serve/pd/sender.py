@@ -11,7 +11,9 @@ must show the region free), gather the head slice of the segment's pages into th
 staging buffer, write it at this writer's block offset, notify with the digests.
 direct (equal TP, or staging disabled): write the pages (or, with TP differing,
 each token's head slice) straight into decode's KV pages, then notify. Failures
-are reported with the decode rank they concern.
+are reported with the decode rank they concern. A room's faults (`RoomFaults`) are
+drawn once and travel with its clock as one `RoomJob`; addresses and descriptors are
+computed by `staging.descriptors`.
 """
 
 from __future__ import annotations
@@ -25,18 +27,16 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from pdctl.serve.faults import faults
+from pdctl.serve.faults import RoomFaults
 from pdctl.serve.kv_pool import KVPool
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import PeerCallError
 from pdctl.staging import device as dev
 from pdctl.staging.buffer import init_staging_buffers
-from pdctl.staging.descriptors import page_descriptors, tensor_ptr
+from pdctl.staging.descriptors import block_address, direct_descriptors, kv_bases
 from pdctl.staging.digest import block_digests
 from pdctl.staging.kernels import gather_all_layers_to_staging
 from pdctl.staging.layout import HeadSlice, StagingLayout, head_slices, plan_segments
@@ -60,6 +60,14 @@ class SendClock:
 
     gather: float = 0.0
     digest: float = 0.0
+
+
+@dataclass
+class RoomJob:
+    """One room's send: the faults drawn for it (once) and the clock of its work."""
+
+    faults: RoomFaults = field(default_factory=RoomFaults)
+    clock: SendClock = field(default_factory=SendClock)
 
 
 class KVSender:
@@ -103,7 +111,7 @@ class KVSender:
         started = time.monotonic()
         try:
             dev.stream_wait_event(dev.current_device_stream(self.kv.kv.device), ready)
-            stats = self._send(room, pages, num_tokens)
+            stats = self._send(room, pages)
             stats["transfer_ms"] = round((time.monotonic() - started) * 1e3, 3)
             self.report(room, {"rank": self.rank, "ok": True, **stats})
         except (SendFailed, TransportError, PeerCallError) as exc:
@@ -158,17 +166,13 @@ class KVSender:
         finally:
             self.buffers.put(buffer)
 
-    def _send(self, room: int, pages: list[int], num_tokens: int) -> dict[str, Any]:
+    def _send(self, room: int, pages: list[int]) -> dict[str, Any]:
         deadline = time.monotonic() + self.bootstrap_timeout
         decode_tp = self._registration(room, None, deadline).decode_tp
-        corrupt = faults().hit("corrupt-kv") is not None
-        delay = faults().hit("delay-transfer")
-        if delay is not None:  # decode is waiting now; hold the room past its timeout
-            time.sleep(
-                float(delay.get("seconds") or self.bootstrap_timeout + self.transfer_timeout + 2)
-            )
+        job = RoomJob(RoomFaults.for_prefill(self.bootstrap_timeout + self.transfer_timeout + 2))
+        if job.faults.delay_s is not None:  # decode is waiting now; hold the room past it
+            time.sleep(job.faults.delay_s)
         total, segments, busy = 0, 0, 0.0
-        clock = SendClock()
         for decode_rank in range(decode_tp):
             slices = head_slices(self.heads, self.tp, decode_tp, decode_rank)
             mine = [i for i, s in enumerate(slices) if s.prefill_rank == self.rank]
@@ -180,13 +184,9 @@ class KVSender:
             )
             started = time.perf_counter()
             if registration.mode == "staging":
-                sent, count, waited = self._staged(
-                    room, pages, registration, layout, mine[0], clock, corrupt
-                )
+                sent, count, waited = self._staged(room, pages, registration, layout, mine[0], job)
             else:
-                sent, count = self._direct(
-                    room, pages, num_tokens, registration, layout, mine[0], clock, corrupt
-                )
+                sent, count = self._direct(room, pages, registration, layout, mine[0], job)
                 waited = 0.0
             busy += time.perf_counter() - started - waited
             total, segments = total + sent, segments + count
@@ -195,8 +195,8 @@ class KVSender:
             "bytes": total,
             "segments": segments,
             "write_ms": round(busy * 1e3, 3),
-            "gather_ms": round(clock.gather * 1e3, 3),
-            "digest_ms": round(clock.digest * 1e3, 3),
+            "gather_ms": round(job.clock.gather * 1e3, 3),
+            "digest_ms": round(job.clock.digest * 1e3, 3),
         }
 
     def _plan(self, pages: list[int], layout: StagingLayout, reg: proto.Registration) -> Any:
@@ -240,8 +240,7 @@ class KVSender:
         reg: proto.Registration,
         layout: StagingLayout,
         writer: int,
-        clock: SendClock,
-        corrupt: bool = False,
+        job: RoomJob,
     ) -> tuple[int, int, float]:
         piece = layout.slices[writer]
         peer = self._peer(reg)
@@ -256,12 +255,12 @@ class KVSender:
                     f"decode rank {reg.decode_rank} offered a region its watermark has not freed"
                 )
             chunk = pages[segment.page_start : segment.page_start + segment.num_pages]
-            destination = region.address + layout.block_offset(
-                writer, segment.num_tokens(self.kv.page_size)
+            destination = block_address(
+                region.address, layout, writer, segment.num_tokens(self.kv.page_size)
             )
             with self._buffer() as buffer:
-                nbytes, digests = self._gather(buffer, chunk, piece, clock)
-                if corrupt and segment.index == 0:  # fault injection: after the digests
+                nbytes, digests = self._gather(buffer, chunk, piece, job.clock)
+                if job.faults.corrupt_kv and segment.index == 0:  # fault injection: after digests
                     buffer.view(0, nbytes)[nbytes // 2] ^= 0x5A
                 message = proto.notify_message(room, segment.index, self.rank, digests, nbytes)
                 self.transport.write(peer, [buffer.ptr], [destination], [nbytes], notify=message)
@@ -290,35 +289,29 @@ class KVSender:
         self,
         room: int,
         pages: list[int],
-        num_tokens: int,
         reg: proto.Registration,
         layout: StagingLayout,
         writer: int,
-        clock: SendClock,
-        corrupt: bool = False,
+        job: RoomJob,
     ) -> tuple[int, int]:
         piece = layout.slices[writer]
         peer = self._peer(reg)
-        elem = reg.elem_bytes
-        src_heads = self.kv.k_buffers[0].shape[1]
-        if src_heads == piece.num_heads and reg.kv_heads == piece.num_heads:
-            page_bytes = self.kv.page_size * src_heads * reg.head_dim * elem
-            src_bases = [
-                tensor_ptr(b)
-                for pair in zip(self.kv.k_buffers, self.kv.v_buffers, strict=True)
-                for b in pair
-            ]
-            dst_bases = [address for pair in reg.kv_bases for address in pair]
-            src, dst, lengths = page_descriptors(
-                src_bases, dst_bases, np.array(pages), np.array(reg.pages), page_bytes
-            )
-        else:
-            src, dst, lengths = self._token_descriptors(pages, reg, piece, num_tokens)
+        src, dst, lengths = direct_descriptors(
+            kv_bases(self.kv.k_buffers, self.kv.v_buffers),
+            [address for pair in reg.kv_bases for address in pair],
+            pages,
+            reg.pages,
+            page_size=self.kv.page_size,
+            head_bytes=reg.head_dim * reg.elem_bytes,
+            src_heads=self.kv.k_buffers[0].shape[1],
+            dst_heads=reg.kv_heads,
+            piece=piece,
+        )
         digests = []
         for segment in self._plan(pages, layout, reg):
             chunk = pages[segment.page_start : segment.page_start + segment.num_pages]
             with self._buffer() as buffer:
-                digests.append(self._gather(buffer, chunk, piece, clock)[1])
+                digests.append(self._gather(buffer, chunk, piece, job.clock)[1])
         message = proto.notify_message(
             room,
             proto.DIRECT_SEGMENT,
@@ -326,7 +319,7 @@ class KVSender:
             [d for part in digests for d in part],
             int(lengths.sum()),
         )
-        if not corrupt:
+        if not job.faults.corrupt_kv:
             self.transport.write(peer, src, dst, lengths, notify=message)
         else:  # fault injection: one byte of decode's first page, then the notification
             self.transport.write(peer, src, dst, lengths)
@@ -339,30 +332,3 @@ class KVSender:
         with self._buffer() as buffer:
             buffer.view(0, 1)[0] = sent ^ 0x5A
             self.transport.write(peer, [buffer.ptr], [dst], [1], notify=notify)
-
-    def _token_descriptors(
-        self, pages: list[int], reg: proto.Registration, piece: HeadSlice, num_tokens: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Staging disabled and TPs differ: one write per layer, K/V and token row."""
-        elem, dim = reg.elem_bytes, reg.head_dim
-        ps = self.kv.page_size
-        src_rows = np.array([p * ps + i for p in pages for i in range(ps)], dtype=np.uint64)
-        dst_rows = np.array([p * ps + i for p in reg.pages for i in range(ps)], dtype=np.uint64)
-        src_row_bytes = self.kv.k_buffers[0].shape[1] * dim * elem
-        dst_row_bytes = reg.kv_heads * dim * elem
-        chunk = piece.num_heads * dim * elem
-        src_all, dst_all = [], []
-        buffers = [
-            b for pair in zip(self.kv.k_buffers, self.kv.v_buffers, strict=True) for b in pair
-        ]
-        for src_buffer, dst_base in zip(
-            buffers, [a for pair in reg.kv_bases for a in pair], strict=True
-        ):
-            base = np.uint64(tensor_ptr(src_buffer) + piece.src_head_start * dim * elem)
-            src_all.append(base + src_rows * np.uint64(src_row_bytes))
-            dst_all.append(
-                np.uint64(dst_base + piece.dst_head_start * dim * elem)
-                + dst_rows * np.uint64(dst_row_bytes)
-            )
-        src = np.concatenate(src_all)
-        return src, np.concatenate(dst_all), np.full(src.shape, chunk, dtype=np.uint64)
