@@ -69,6 +69,8 @@ def test_a_mirror_sees_registrations_offers_and_the_end_of_a_room() -> None:
     rooms.register(registration(7, 0))
     rooms.register(registration(7, 1))
     assert set(mirror.wait_for(7, {"ranks": 2}, 5.0)["registrations"]) == {"0", "1"}
+    as_sender = mirror.snapshot(7, 5.0, {"decode_rank": 1})  # the sender's argument order
+    assert set(as_sender["registrations"]) == {"0", "1"}
     rooms.add_segments(7, 1, [segment(0)])
     rooms.add_segments(7, 1, [segment(1)])
     thread.join(10)

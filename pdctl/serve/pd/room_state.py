@@ -111,6 +111,10 @@ class RoomMirror:
                 self._rooms.popitem(last=False)
             self._changed.notify_all()
 
+    def snapshot(self, room: int, wait: float, condition: dict[str, int]) -> dict[str, Any]:
+        """The sender's view of a room (`sender.Snapshot`): `wait_for` in its argument order."""
+        return self.wait_for(room, condition, wait)
+
     def wait_for(self, room: int, condition: dict[str, int], timeout: float) -> dict[str, Any]:
         """As `Rooms.wait_for`: the snapshot once `condition` holds, the room closed, or
         `timeout` passed (then the latest snapshot, or an empty one)."""

@@ -23,7 +23,7 @@ from pdctl.serve.pd.client import Client, run_secret, warn_if_no_secret
 from pdctl.serve.pd.embeddings import EmbeddingError, EmbeddingReceiver
 from pdctl.serve.pd.endpoint import make_transport
 from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher
-from pdctl.serve.pd.sender import KVSender
+from pdctl.serve.pd.sender import KVSender, Report, Snapshot
 from pdctl.serve.request import Request
 from pdctl.serve.roles.common import build_engine, serve, server_info
 from pdctl.serve.runtime import Rank
@@ -35,7 +35,7 @@ log = logging.getLogger("pdctl.serve")
 OP_SEND = 10
 
 
-def make_sender(rank: Rank, snapshot: Any, report: Any) -> KVSender:
+def make_sender(rank: Rank, snapshot: Snapshot, report: Report) -> KVSender:
     args = rank.args
     return KVSender(
         rank=args.tp_rank,
@@ -244,7 +244,7 @@ def run_worker(rank: Rank) -> None:
     def report(room: int, body: dict[str, Any]) -> None:
         client.call("POST", "/internal/sent", json={"room": room, **body})
 
-    sender = make_sender(rank, mirror.wait_for, report)
+    sender = make_sender(rank, mirror.snapshot, report)
 
     def on_send(payload: Any) -> None:
         message = proto.tensor_json(payload)
