@@ -38,6 +38,12 @@ def _mix(value: int, length: int) -> int:
     return z ^ (z >> 31)
 
 
+def digest_of_sum(total: int, words: int) -> int:
+    """A chunk's digest from its weighted word sum (any int, taken modulo 2**64) and its
+    length in words: for sums computed elsewhere (the paged digest kernel)."""
+    return _mix(total & _MASK, words)
+
+
 def _backend(device: torch.device, backend: str | None) -> str:
     """triton on CUDA and XPU when it imports (or when asked for), else torch."""
     if backend is not None:

@@ -18,8 +18,8 @@ regions for the next segments, as far as the ring has space), `region_of`, `land
 `scatter`, `reap`) stay public for tests that drive one step at a time.
 
 The handler owns its ring's regions and its lock; pages belong to the caller's KV
-pool. Handlers sharing one ring (one per prefill TP) must share one lock and may
-share one check buffer: the allocator and the buffer are then guarded together.
+pool. Handlers sharing one ring (one per prefill TP) must share one lock: the
+allocator is then guarded once. Pages are checked in place (`kernels.page_digests`).
 It knows nothing of the protocol that carries offers and digests.
 """
 
@@ -34,13 +34,13 @@ import torch
 
 from pdctl.staging import device as dev
 from pdctl.staging.allocator import Region, Watermark
-from pdctl.staging.buffer import StagingBuffer, StagingRing
+from pdctl.staging.buffer import StagingRing
 from pdctl.staging.descriptors import offset_address
 from pdctl.staging.digest import block_digests, first_mismatch
 from pdctl.staging.kernels import (
     PageIndices,
     describe_kv,
-    gather_all_layers_to_staging,
+    page_digests,
     scatter_staging_to_kv,
     upload_pages,
 )
@@ -108,7 +108,6 @@ class DecodeStagingHandler:
         layout: StagingLayout,
         backend: str | None = None,
         lock: threading.RLock | None = None,
-        check_buffer: StagingBuffer | None = None,
     ) -> None:
         info = describe_kv(k_buffers, v_buffers)
         self.device = info.device  # derived from the KV buffers, never passed in
@@ -125,7 +124,6 @@ class DecodeStagingHandler:
         self.layout = layout
         self.backend = backend
         self.lock = lock if lock is not None else threading.RLock()  # shared with the ring's
-        self.check_buffer = check_buffer  # pages are gathered back here; made on first need
         self.scatter_stream = dev.create_device_stream(self.device)
         self.rooms: dict[int, RoomState] = {}
 
@@ -223,24 +221,21 @@ class DecodeStagingHandler:
         """Gather `plan`'s segments back out of `pages` and compare them with the writers'
         digests (`expected[w]`: every segment's, in order): proof that the KV landed in
         the pages, not only in the ring. Any page list, staged or written directly."""
-        layers = self.info.num_layers
-        per_segment = 2 * layers
+        per_segment = 2 * self.info.num_layers
+        spans = [(segment.page_start, segment.num_pages) for segment in plan]
         with self.lock:
             for writer, piece in enumerate(self.layout.slices):
                 sent = list(expected[writer])
                 if len(sent) != per_segment * len(plan):
                     return DigestMismatch(writer, piece.prefill_rank, 0, "K", "pages")
-                for number, segment in enumerate(plan):
-                    chunk = pages[segment.page_start : segment.page_start + segment.num_pages]
-                    block = self._check_view(self.layout.block_bytes(writer, self._tokens(segment)))
-                    gather_all_layers_to_staging(
-                        self.k_buffers, self.v_buffers, chunk, block,
-                        src_head_start=piece.dst_head_start, num_heads=piece.num_heads,
-                        page_size=self.page_size, backend=self.backend,
-                    )  # fmt: skip
+                found_in = page_digests(  # read in place from the pages (see kernels)
+                    self.k_buffers, self.v_buffers, pages, spans,
+                    head_start=piece.dst_head_start, num_heads=piece.num_heads,
+                    page_size=self.page_size, backend=self.backend,
+                )  # fmt: skip
+                for number, received in enumerate(found_in):
                     found = first_mismatch(
-                        sent[number * per_segment : (number + 1) * per_segment],
-                        block_digests(block, layers),
+                        sent[number * per_segment : (number + 1) * per_segment], received
                     )
                     if found is not None:
                         return DigestMismatch(writer, piece.prefill_rank, *found, "pages")
@@ -336,12 +331,6 @@ class DecodeStagingHandler:
 
     def _tokens(self, segment: Segment) -> int:
         return segment.num_tokens(self.page_size)
-
-    def _check_view(self, nbytes: int) -> torch.Tensor:
-        """`nbytes` of the check buffer, (re)made when there is none or it is too small."""
-        if self.check_buffer is None or self.check_buffer.nbytes < nbytes:
-            self.check_buffer = StagingBuffer(nbytes, self.device)
-        return self.check_buffer.view(0, nbytes)
 
     def _free(self, state: RoomState, region: Region) -> None:
         state.regions.remove(region)

@@ -45,3 +45,69 @@ def test_sums_past_two_to_the_64_wrap_alike() -> None:
     words, weights = data.view(torch.int32).double(), torch.arange(1 << 20).double() * 2 + 1
     assert float((words * weights).sum()) > 2.0**64  # the sum really wraps
     assert chunk_digests(data, 1, backend="triton") == chunk_digests(data, 1, backend="torch")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "page_size", "split", "segments"),
+    [
+        (torch.bfloat16, 1, (8, 4, 4), [(0, 6)]),
+        (torch.bfloat16, 4, (8, 0, 8), [(0, 2), (2, 3), (5, 1)]),
+        (torch.float32, 16, (4, 1, 2), [(0, 1), (1, 5)]),
+        (torch.float16, 2, (2, 1, 1), [(3, 3), (0, 3)]),
+    ],
+)
+def test_page_digests_in_place_equal_gather_then_digest(dtype, page_size, split, segments) -> None:
+    """The paged kernel (interpreted) reads the pages in place; the values must be
+    those of gathering each segment's head slice and digesting the block."""
+    from pdctl.staging.kernels import gather_all_layers_to_staging, page_digests
+    from tests.staging.kv_factory import as_bits, random_kv, random_pages
+
+    heads, start, count = split
+    layers, pool_pages, head_dim = 3, 10, 16
+    k, v = random_kv(layers, pool_pages * page_size, heads, head_dim, dtype, 7, "cpu")
+    pages = random_pages(pool_pages, 6, 7)
+    expected = []
+    for first, num in segments:
+        nbytes = 2 * layers * num * page_size * count * head_dim * k[0].element_size()
+        block = torch.empty(nbytes, dtype=torch.uint8)
+        gather_all_layers_to_staging(
+            k, v, pages[first : first + num], block, src_head_start=start, num_heads=count,
+            page_size=page_size, backend="torch",
+        )  # fmt: skip
+        expected.append(block_digests(block, layers, backend="torch"))
+    for backend in ("triton", "torch"):
+        got = page_digests(
+            k, v, pages, segments, head_start=start, num_heads=count, page_size=page_size,
+            backend=backend,
+        )  # fmt: skip
+        assert got == expected, backend
+    as_bits(k[1])[int(pages[segments[0][0]]) * page_size, start, 3] ^= 1  # a bit of layer 1's K
+    changed = page_digests(
+        k, v, pages, segments, head_start=start, num_heads=count, page_size=page_size,
+        backend="triton",
+    )  # fmt: skip
+    assert changed[0][2] != expected[0][2] and changed[0][:2] == expected[0][:2]
+
+
+def test_page_digests_refuse_a_segment_outside_the_page_list() -> None:
+    from pdctl.staging.kernels import page_digests
+    from tests.staging.kv_factory import random_kv
+
+    k, v = random_kv(1, 8, 2, 16, torch.float32, 1, "cpu")
+    with pytest.raises(ValueError, match=r"segment of pages \[2, 5\) is outside the 4 pages"):
+        page_digests(k, v, [0, 1, 2, 3], [(2, 3)], head_start=0, num_heads=2, page_size=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
+def test_page_digests_on_the_device_equal_the_host_ones() -> None:
+    from pdctl.staging.kernels import page_digests
+    from tests.staging.kv_factory import random_kv, random_pages
+
+    k, v = random_kv(16, 64 * 16, 8, 128, torch.bfloat16, 5, "cpu")
+    pages = random_pages(64, 40, 5)
+    segments = [(0, 16), (16, 16), (32, 8)]
+    host = page_digests(k, v, pages, segments, head_start=4, num_heads=4, page_size=16)
+    kc, vc = [t.cuda() for t in k], [t.cuda() for t in v]
+    on_device = page_digests(kc, vc, pages, segments, head_start=4, num_heads=4, page_size=16)
+    assert on_device == host  # the device default: one Triton launch, pages read in place

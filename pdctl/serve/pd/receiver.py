@@ -9,7 +9,7 @@ after the room's event, checks the pages and frees the region) and offer the
 next. Direct: register the pages, wait, check the pages hold what was sent. Each
 outcome is reported with what went wrong and where.
 
-The staging handlers own the ring, its lock and the check buffer: this module
+The staging handlers own the ring and its lock: this module
 speaks the protocol (offers become `SegmentRegion`s, notifications digests) and
 never steps a handler through its internals.
 """
@@ -30,7 +30,7 @@ from pdctl.serve.kv_pool import KVPool
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import Client, PeerCallError
 from pdctl.staging.allocator import Region
-from pdctl.staging.buffer import StagingRing, init_staging_allocator, init_staging_buffers
+from pdctl.staging.buffer import StagingRing, init_staging_allocator
 from pdctl.staging.descriptors import tensor_ptr
 from pdctl.staging.handler import DecodeStagingHandler, DigestMismatch, LandFaults, Offer
 from pdctl.staging.layout import Segment, StagingLayout, head_slices, plan_segments
@@ -90,11 +90,8 @@ class KVReceiver:
         )
         transport.register_tensor(self.ring.buffer.tensor)
         transport.set_kv_buffer_tensors(kv.k_buffers, kv.v_buffers, kv.page_size)
-        (self.check_buffer,) = init_staging_buffers(
-            self.segment_bytes, device_type=device.type, gpu_id=device.index
-        )
         # Rooms are received on several threads. The handlers (one per prefill TP) share
-        # the ring and the check buffer, so they share the lock that guards both.
+        # the ring, so they share the lock that guards it.
         self.ring_lock = threading.RLock()
         self.handlers: dict[int, DecodeStagingHandler] = {}  # prefill TP -> handler
         self.handlers_lock = threading.Lock()  # guards the dict, never a handler's work
@@ -134,7 +131,6 @@ class KVReceiver:
                     ring=self.ring,
                     layout=layout,
                     lock=self.ring_lock,
-                    check_buffer=self.check_buffer,
                 )
             return self.handlers[prefill_tp]
 

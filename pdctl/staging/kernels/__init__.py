@@ -23,7 +23,9 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from pdctl.staging.kernels.base import backend_names, default_backend, get_backend
+from pdctl.staging.descriptors import pointer_table
+from pdctl.staging.digest import block_digests, digest_of_sum
+from pdctl.staging.kernels.base import BufferCache, backend_names, default_backend, get_backend
 from pdctl.staging.kernels.kvset import WORD_DTYPES, KVInfo, KVSet, describe_kv, prepare_kv
 from pdctl.staging.layout import HeadSlice
 
@@ -216,11 +218,79 @@ def scatter_staging_to_kv(
     return offset
 
 
+_DIGEST_TABLES: BufferCache[torch.Tensor] = BufferCache(
+    lambda views: pointer_table(views, views[0].device)
+)
+
+
+def page_digests(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: PageIndices,
+    segments: Sequence[tuple[int, int]],
+    *,
+    head_start: int,
+    num_heads: int,
+    page_size: int,
+    backend: str | None = None,
+) -> list[list[int]]:
+    """For each segment (page_start, num_pages) of the page list, the digests that
+    `block_digests` gives of its gathered head slice, [L0.K, L0.V, L1.K, ...].
+
+    With Triton, read in place from the pages in one launch (nothing gathered, one
+    host synchronisation); elsewhere, each segment gathered into scratch memory and
+    digested. The values are the same either way.
+    """
+    kvset = prepare_kv(k_buffers, v_buffers)
+    info = kvset.info
+    _check_heads(head_start, num_heads, info, "source")
+    name = _backend_for(info, backend)
+    pages = upload_pages(page_indices, page_size, info)
+    for start, count in segments:
+        if start < 0 or count < 1 or start + count > pages.numel():
+            raise ValueError(
+                f"segment of pages [{start}, {start + count}) is outside the {pages.numel()} pages"
+            )
+    head_bytes = info.head_dim * info.elem_bytes
+    if name == "triton" and kvset.max_word >= 4 and head_bytes % 4 == 0 and segments:
+        from pdctl.staging.kernels.digests import page_digest_sums
+
+        views = kvset.views(4)
+        num_cols = num_heads * head_bytes // 4
+        sums = page_digest_sums(
+            _DIGEST_TABLES.get(views), pages, list(segments), num_buffers=len(views),
+            page_size=page_size, row_words=views[0].shape[1],
+            col_start=head_start * head_bytes // 4, num_cols=num_cols,
+        )  # fmt: skip
+        return [
+            [digest_of_sum(total, count * page_size * num_cols) for total in row]
+            for (_, count), row in zip(segments, sums, strict=True)
+        ]
+    return [_gathered_digests(kvset, pages, segment, head_start, num_heads, page_size, name)
+            for segment in segments]  # fmt: skip
+
+
+def _gathered_digests(
+    kvset: KVSet, pages: torch.Tensor, segment: tuple[int, int], head_start: int,
+    num_heads: int, page_size: int, backend: str,
+) -> list[int]:  # fmt: skip
+    info = kvset.info
+    start, count = segment
+    nbytes = 2 * info.num_layers * count * page_size * num_heads * info.head_dim * info.elem_bytes
+    scratch = torch.empty(nbytes, dtype=torch.uint8, device=info.device)
+    gather_all_layers_to_staging(
+        kvset.buffers[0::2], kvset.buffers[1::2], pages[start : start + count], scratch,
+        src_head_start=head_start, num_heads=num_heads, page_size=page_size, backend=backend,
+    )  # fmt: skip
+    return block_digests(scratch, info.num_layers, backend=backend)
+
+
 __all__ = [
     "KVInfo",
     "KVSet",
     "describe_kv",
     "gather_all_layers_to_staging",
+    "page_digests",
     "prepare_kv",
     "scatter_staging_to_kv",
     "upload_pages",

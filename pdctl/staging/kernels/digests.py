@@ -48,3 +48,72 @@ def digest_sums(words: torch.Tensor) -> list[int]:
         )
     sums: list[int] = partial.sum(dim=1).tolist()
     return sums
+
+
+@triton.jit(do_not_specialize=["num_buffers", "page_size", "row_words", "col_start", "blocks"])
+def _page_digest_kernel(  # type: ignore[no-untyped-def]
+    table_ptr,
+    pages_ptr,
+    segments_ptr,
+    partial_ptr,
+    num_buffers,
+    page_size,
+    row_words,
+    col_start,
+    blocks,
+    NUM_COLS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Program (s * num_buffers + b, j): token block j of segment s in buffer b, read in
+    place from its pages; word i of the chunk the gather would make is token t's column
+    c (i = t * NUM_COLS + c), weighted 2 i + 1."""
+    slot = tl.program_id(0)
+    segment = slot // num_buffers
+    buffer = slot % num_buffers
+    page_start = tl.load(segments_ptr + 2 * segment)
+    num_tokens = tl.load(segments_ptr + 2 * segment + 1)
+    tokens = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = tokens < num_tokens
+    page = tl.load(pages_ptr + page_start + tokens // page_size, mask=token_mask, other=0)
+    rows = (page.to(tl.int64) * page_size + tokens % page_size) * row_words + col_start
+    base = tl.load(table_ptr + buffer).to(tl.pointer_type(tl.int32))
+    total = tl.zeros([BLOCK_T], dtype=tl.int64)
+    for c in tl.static_range(0, NUM_COLS, BLOCK_C):
+        cols = c + tl.arange(0, BLOCK_C)
+        mask = token_mask[:, None] & (cols < NUM_COLS)[None, :]
+        x = tl.load(base + rows[:, None] + cols[None, :], mask=mask, other=0)
+        index = tokens[:, None] * NUM_COLS + cols[None, :]
+        total += tl.sum(x.to(tl.int64) * (index * 2 + 1), axis=1)
+    tl.store(partial_ptr + slot * blocks + tl.program_id(1), tl.sum(total, axis=0))
+
+
+def page_digest_sums(
+    table: torch.Tensor,
+    pages: torch.Tensor,
+    segments: list[tuple[int, int]],
+    *,
+    num_buffers: int,
+    page_size: int,
+    row_words: int,
+    col_start: int,
+    num_cols: int,
+) -> list[list[int]]:
+    """Per segment (page_start, num_pages), each buffer's weighted sum over the int32
+    words of columns [col_start, +num_cols) of the segment's token rows."""
+    device = pages.device
+    block_c = min(triton.next_power_of_2(num_cols), 1024)
+    block_t = max(1, min(4096 // block_c, 256))
+    longest = max(num_pages for _, num_pages in segments) * page_size
+    blocks = triton.cdiv(longest, block_t)
+    flat = [value for start, count in segments for value in (start, count * page_size)]
+    described = torch.tensor(flat, dtype=torch.int64).to(device)
+    partial = torch.zeros(len(segments) * num_buffers, blocks, dtype=torch.int64, device=device)
+    context = dev.device_context(device) if device.type != "cpu" else contextlib.nullcontext()
+    with context:  # Triton launches on the thread's current device
+        _page_digest_kernel[(len(segments) * num_buffers, blocks)](
+            table, pages, described, partial, num_buffers, page_size, row_words, col_start,
+            blocks, NUM_COLS=num_cols, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=8,
+        )  # fmt: skip
+    sums: list[int] = partial.sum(dim=1).tolist()
+    return [sums[i * num_buffers : (i + 1) * num_buffers] for i in range(len(segments))]

@@ -51,6 +51,13 @@ LONG_RANGE_BYTES = 1 << 20
 FEW_RANGES = 4
 
 
+def _used(found: np.ndarray) -> list[int]:
+    """The distinct region indices among `found` (all located: the write was checked)."""
+    if len(found) <= 8:
+        return list(set(found.tolist()))
+    return np.flatnonzero(np.bincount(found)).tolist()
+
+
 def copy_ranges(device: Any, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
     """The ranges kernel (Triton, imported on the first device write)."""
     from pdctl.staging.kernels import ranges
@@ -299,8 +306,8 @@ class TcpTransport(Transport):
         if not mapped and pid is None:
             return None
         mine, theirs = self.index, peer.index
-        sources = {mine.regions[i].device_type for i in set(mine.locate(src, lengths).tolist())}
-        targets = [theirs.regions[i] for i in set(theirs.locate(dst, lengths).tolist())]
+        sources = {mine.regions[i].device_type for i in _used(mine.locate(src, lengths))}
+        targets = [theirs.regions[i] for i in _used(theirs.locate(dst, lengths))]
         if mapped and "cpu" not in sources:
             return "device" if all(t.ptr in mapped for t in targets) else None
         if pid is not None and sources == {"cpu"}:
