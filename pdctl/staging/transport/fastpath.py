@@ -125,6 +125,16 @@ def write(pid: int, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> No
     _write_serial(pid, src, dst, lengths)
 
 
+def _wrote(written: int) -> int:
+    """process_vm_writev's result as bytes written, or the OSError it stands for."""
+    if written < 0:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
+    if written == 0:
+        raise OSError(5, "process_vm_writev wrote nothing")
+    return written
+
+
 def _write_one(pid: int, src: int, dst: int, length: int) -> None:
     """One range: no vectors to build (small writes are bound by this host work)."""
     assert _LIBC is not None
@@ -132,13 +142,9 @@ def _write_one(pid: int, src: int, dst: int, length: int) -> None:
     while done < length:
         local = IOVec(src + done, length - done)
         remote = IOVec(dst + done, length - done)
-        written = _LIBC.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        if written < 0:
-            error = ctypes.get_errno()
-            raise OSError(error, os.strerror(error))
-        if written == 0:
-            raise OSError(5, "process_vm_writev wrote nothing")
-        done += written
+        done += _wrote(
+            _LIBC.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        )
 
 
 def _write_serial(pid: int, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
@@ -153,14 +159,9 @@ def _write_serial(pid: int, src: np.ndarray, dst: np.ndarray, lengths: np.ndarra
         count = stop - start
         done = 0
         while done < total:
-            written = _LIBC.process_vm_writev(
-                pid, _pointer(local), count, _pointer(remote), count, 0
+            written = _wrote(
+                _LIBC.process_vm_writev(pid, _pointer(local), count, _pointer(remote), count, 0)
             )
-            if written < 0:
-                error = ctypes.get_errno()
-                raise OSError(error, os.strerror(error))
-            if written == 0:
-                raise OSError(5, "process_vm_writev wrote nothing")
             done += written
             if done < total:  # partial: move both vectors past what was written
                 _advance(local, written)
