@@ -198,6 +198,20 @@ class TransferHandle(ABC):
 Descriptors = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
+@dataclass(frozen=True)
+class Located:
+    """One write's ranges and the regions holding them (indexes into `mine.regions`
+    and `theirs.regions`)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    peer: Peer
+    mine: RegionIndex
+    sources: np.ndarray
+    theirs: RegionIndex
+    targets: np.ndarray
+
+
 def check_descriptors(
     src: Sequence[int] | np.ndarray,
     dst: Sequence[int] | np.ndarray,
@@ -244,6 +258,7 @@ class Transport(ABC):
         self._notified = threading.Condition(self._lock)
         self._closed = False
         self._index: RegionIndex | None = None  # rebuilt after (de)registration
+        self._tls = threading.local()  # per writing thread: this call's region lookups
 
     # -- memory --------------------------------------------------------------
     def register(
@@ -358,7 +373,10 @@ class Transport(ABC):
         notify: bytes | None = None,
     ) -> TransferHandle:
         """Start a write; the handle reports completion (see the module docstring)."""
-        return self._write_async(peer, self._checked(peer, src, dst, lengths, notify), notify)
+        try:
+            return self._write_async(peer, self._checked(peer, src, dst, lengths, notify), notify)
+        finally:
+            self._tls.located = None  # the write runs on another thread: it looks again
 
     def write(
         self,
@@ -370,7 +388,10 @@ class Transport(ABC):
         notify: bytes | None = None,
     ) -> None:
         """Write and return once complete, or raise within the transfer timeout."""
-        self._write_sync(peer, self._checked(peer, src, dst, lengths, notify), notify)
+        try:
+            self._write_sync(peer, self._checked(peer, src, dst, lengths, notify), notify)
+        finally:
+            self._tls.located = None  # the lookups served this call only
 
     def _checked(
         self,
@@ -383,13 +404,15 @@ class Transport(ABC):
         if self._closed:
             raise TransportError(f"{self.config.name}: the transport is closed")
         src_a, dst_a, len_a = check_descriptors(src, dst, lengths)
-        bad = outside(self.index.locate(src_a, len_a))
+        mine, theirs = self.index, peer.index
+        found_src, found_dst = mine.locate(src_a, len_a), theirs.locate(dst_a, len_a)
+        bad = outside(found_src)
         if bad is not None:
             raise BadDescriptor(
                 f"{self.config.name}: source [{int(src_a[bad]):#x}, +{int(len_a[bad])}) of "
                 f"descriptor {bad} is not in registered memory"
             )
-        bad = outside(peer.index.locate(dst_a, len_a))
+        bad = outside(found_dst)
         if bad is not None:
             raise BadDescriptor(
                 f"{self.config.name}: destination [{int(dst_a[bad]):#x}, +{int(len_a[bad])}) of "
@@ -397,7 +420,21 @@ class Transport(ABC):
             )
         if notify is not None and len(notify) > MAX_NOTIFICATION_BYTES:
             raise BadDescriptor(f"a notification is at most {MAX_NOTIFICATION_BYTES} bytes")
+        self._tls.located = Located(src_a, dst_a, peer, mine, found_src, theirs, found_dst)
         return src_a, dst_a, len_a
+
+    def located(self, peer: Peer, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> Located:
+        """The region of every source and destination range: the lookups `_checked` made
+        for this very call on this thread (thousands of page descriptors cost more to
+        look up than to copy), else fresh ones. Use the indexes it carries: a
+        registration since then rebuilds `self.index`."""
+        cached: Located | None = getattr(self._tls, "located", None)
+        if cached is not None and cached.src is src and cached.dst is dst and cached.peer is peer:
+            return cached
+        mine, theirs = self.index, peer.index
+        return Located(
+            src, dst, peer, mine, mine.locate(src, lengths), theirs, theirs.locate(dst, lengths)
+        )
 
     def _write_sync(self, peer: Peer, descriptors: Descriptors, notify: bytes | None) -> None:
         """Default: asynchronous write plus a bounded wait. Transports may do better."""

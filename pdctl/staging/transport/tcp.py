@@ -305,9 +305,9 @@ class TcpTransport(Transport):
         pid = peer.state.get("pid")
         if not mapped and pid is None:
             return None
-        mine, theirs = self.index, peer.index
-        sources = {mine.regions[i].device_type for i in _used(mine.locate(src, lengths))}
-        targets = [theirs.regions[i] for i in _used(theirs.locate(dst, lengths))]
+        found = self.located(peer, src, dst, lengths)
+        sources = {found.mine.regions[i].device_type for i in _used(found.sources)}
+        targets = [found.theirs.regions[i] for i in _used(found.targets)]
         if mapped and "cpu" not in sources:
             return "device" if all(t.ptr in mapped for t in targets) else None
         if pid is not None and sources == {"cpu"}:
@@ -367,8 +367,8 @@ class TcpTransport(Transport):
         """Device to device into the peer's mapped regions: long ranges one copy each,
         the rest (pages) in one launch; synchronized before returning."""
         mapped: dict[int, Any] = peer.state["device"]
-        mine, theirs = self.index, peer.index
-        sources, targets = mine.locate(src, lengths), theirs.locate(dst, lengths)
+        found = self.located(peer, src, dst, lengths)
+        mine, theirs, sources, targets = found.mine, found.theirs, found.sources, found.targets
         device = self.tensors[mine.regions[int(sources[0])].ptr].device
         stream = self._copy_stream(device)
         long = lengths >= np.uint64(LONG_RANGE_BYTES)

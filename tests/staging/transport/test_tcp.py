@@ -154,3 +154,26 @@ def test_a_write_to_an_exited_same_host_peer_fails_at_once() -> None:
     finally:
         writer.close()
         peer.close()
+
+
+def test_region_lookups_never_outlive_their_write() -> None:
+    """A write's lookups serve that call only: descriptors changed in place afterwards
+    are checked again (a stale lookup would let a write leave registered memory)."""
+    from pdctl.staging.transport import BadDescriptor
+
+    with PeerProcess("tcp", 1 << 20, secret=SECRET) as peer:
+        writer = create_transport("tcp", TransportConfig("lookups", secret=SECRET))
+        source = np.zeros(8192, dtype=np.uint8)
+        try:
+            writer.register(source.ctypes.data, 4096)  # only the first half is registered
+            connection = writer.connect(peer.description)
+            src = np.array([source.ctypes.data], dtype=np.uint64)
+            dst = np.array([peer.base], dtype=np.uint64)
+            lengths = np.array([4096], dtype=np.uint64)
+            writer.write(connection, src, dst, lengths)
+            assert writer._tls.located is None  # nothing kept once the call returned
+            src[0] += np.uint64(4096)  # now the unregistered half, same array object
+            with pytest.raises(BadDescriptor, match="not in registered memory"):
+                writer.write(connection, src, dst, lengths)
+        finally:
+            writer.close()
