@@ -8,7 +8,8 @@ Ownership and reuse:
   `done()` is True). Until then the transport may still read them.
 - The destination bytes are the peer's: the peer must not read a range before the
   notification sent with the write that fills it arrives. Notifications are
-  delivered after every byte of their write is in the peer's memory.
+  delivered after every byte of their write is in the peer's memory; completion
+  does not wait for the peer to read the notification.
 - Completion means the bytes are in the peer's memory (not merely sent).
 
 Every wait is bounded by the configured timeouts: a dead, unreachable or stalled

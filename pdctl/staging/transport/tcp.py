@@ -6,10 +6,10 @@ one peer at once). Within one host, host memory goes straight into the peer's
 memory when the kernel allows `process_vm_writev` (probed per connection, see
 `fastpath.py`), and device memory goes device to device through the device's own
 IPC (`device_ipc.py`: CUDA IPC; the peer's allocations are opened once, when it
-connects), scattered pages in one launch (`kernels/ranges.py`). Then a write
-without a notification is the copy alone (it completes when the bytes are in the
-peer's memory; a pidfd shows at once a peer that exited), and only a notification
-and its acknowledgement travel over TCP. Otherwise every byte goes over the socket
+connects), scattered pages in one launch (`kernels/ranges.py`). Then a write is
+the copy alone (it completes when the bytes are in the peer's memory; a pidfd shows
+at once a peer that exited), and only its notification travels over TCP, after the
+bytes and unacknowledged. Otherwise every byte goes over the socket
 into the peer's registered memory, device memory staged through host memory.
 """
 
@@ -277,15 +277,21 @@ class TcpTransport(Transport):
 
     def _write(self, peer: Peer, descriptors: Descriptors, notify: bytes | None) -> None:
         route = self._route(peer, descriptors)
-        if route is not None and notify is None and peer.state.get("pidfd") is not None:
-            # Same host, nothing to announce: the copy itself completes the write (the
-            # bytes are in the peer's memory when it returns), so no round trip.
+        direct = route is not None and peer.state.get("pidfd") is not None
+        if direct:
+            # Same host: the copy itself completes the write (the bytes are in the peer's
+            # memory when it returns). A notification follows on TCP, in order after the
+            # bytes, without waiting for an acknowledgement (as NIXL's do).
             self._check_alive(peer)
             self._direct(peer, route, descriptors)
-            return
+            if notify is None:
+                return
         connection = self._acquire(peer)
         try:
-            self._send(connection, peer, route, descriptors, notify)
+            if direct:
+                wire.send_frame(connection.sock, wire.NOTIFY, payload=notify or b"")
+            else:
+                self._send(connection, peer, route, descriptors, notify)
         except (OSError, wire.ProtocolError) as exc:
             connection.close()
             self._shrink(peer)
