@@ -278,7 +278,7 @@ class TcpTransport(Transport):
     def _write(self, peer: Peer, descriptors: Descriptors, notify: bytes | None) -> None:
         route = self._route(peer, descriptors)
         direct = route is not None and peer.state.get("pidfd") is not None
-        if direct:
+        if route is not None and direct:
             # Same host: the copy itself completes the write (the bytes are in the peer's
             # memory when it returns). A notification follows on TCP, in order after the
             # bytes, without waiting for an acknowledgement (as NIXL's do).
