@@ -13,6 +13,7 @@ where a writer's block goes in it (`layout`), and the writes of a direct transfe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -96,22 +97,28 @@ def kv_bases(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor
     return [tensor_ptr(b) for pair in zip(k_buffers, v_buffers, strict=True) for b in pair]
 
 
+@dataclass(frozen=True)
+class KVRows:
+    """How a direct transfer's token rows look on both sides: a buffer is
+    [pool_tokens, heads, head_bytes], token row t = page * page_size + i, and `piece`
+    names the heads that move."""
+
+    page_size: int
+    head_bytes: int
+    src_heads: int
+    dst_heads: int
+    piece: HeadSlice
+
+
 def head_slice_descriptors(
     src_bases: Sequence[int],
     dst_bases: Sequence[int],
     src_pages: Sequence[int] | np.ndarray,
     dst_pages: Sequence[int] | np.ndarray,
-    *,
-    page_size: int,
-    head_bytes: int,
-    src_heads: int,
-    dst_heads: int,
-    piece: HeadSlice,
+    rows: KVRows,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One write per buffer and token row: the slice's heads of every row of `src_pages`
     into the matching row of `dst_pages` (buffer-major, rows in page order).
-
-    A buffer is [pool_tokens, heads, head_bytes]; token row t = page * page_size + i:
 
         src row t:  | h0 | .. | h(src_head_start) .. +num_heads | .. |   src_heads heads
         dst row t': | h0 | .. | h(dst_head_start) .. +num_heads | .. |   dst_heads heads
@@ -119,15 +126,16 @@ def head_slice_descriptors(
     """
     if len(src_bases) != len(dst_bases) or len(src_pages) != len(dst_pages):
         raise ValueError("buffer and page lists must pair up")
+    piece, head_bytes = rows.piece, rows.head_bytes
 
-    def rows(pages: Sequence[int] | np.ndarray) -> np.ndarray:  # [num_pages * page_size]
-        first = as_u64(np.asarray(pages, dtype=np.int64)) * np.uint64(page_size)
-        return (first[:, None] + np.arange(page_size, dtype=np.uint64)[None, :]).reshape(-1)
+    def row_ids(pages: Sequence[int] | np.ndarray) -> np.ndarray:  # [num_pages * page_size]
+        first = as_u64(np.asarray(pages, dtype=np.int64)) * np.uint64(rows.page_size)
+        return (first[:, None] + np.arange(rows.page_size, dtype=np.uint64)[None, :]).reshape(-1)
 
     src_start = as_u64(src_bases) + np.uint64(piece.src_head_start * head_bytes)
     dst_start = as_u64(dst_bases) + np.uint64(piece.dst_head_start * head_bytes)
-    src_offsets = rows(src_pages) * np.uint64(src_heads * head_bytes)
-    dst_offsets = rows(dst_pages) * np.uint64(dst_heads * head_bytes)
+    src_offsets = row_ids(src_pages) * np.uint64(rows.src_heads * head_bytes)
+    dst_offsets = row_ids(dst_pages) * np.uint64(rows.dst_heads * head_bytes)
     src = (src_start[:, None] + src_offsets[None, :]).reshape(-1)
     dst = (dst_start[:, None] + dst_offsets[None, :]).reshape(-1)
     return src, dst, np.full(src.shape, piece.num_heads * head_bytes, dtype=np.uint64)
@@ -138,24 +146,17 @@ def direct_descriptors(
     dst_bases: Sequence[int],
     src_pages: Sequence[int] | np.ndarray,
     dst_pages: Sequence[int] | np.ndarray,
-    *,
-    page_size: int,
-    head_bytes: int,
-    src_heads: int,
-    dst_heads: int,
-    piece: HeadSlice,
+    rows: KVRows,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A direct (unstaged) transfer of one head slice into a peer's KV pages: whole pages
     when both sides hold exactly the slice's heads, else one write per token row."""
-    if src_heads == piece.num_heads and dst_heads == piece.num_heads:
-        page_bytes = page_size * src_heads * head_bytes
+    heads = rows.piece.num_heads
+    if rows.src_heads == heads and rows.dst_heads == heads:
+        page_bytes = rows.page_size * heads * rows.head_bytes
         return page_descriptors(
             src_bases, dst_bases, np.asarray(src_pages), np.asarray(dst_pages), page_bytes
         )
-    return head_slice_descriptors(
-        src_bases, dst_bases, src_pages, dst_pages, page_size=page_size,
-        head_bytes=head_bytes, src_heads=src_heads, dst_heads=dst_heads, piece=piece,
-    )  # fmt: skip
+    return head_slice_descriptors(src_bases, dst_bases, src_pages, dst_pages, rows)
 
 
 def xpu_pointer_type(pointer: int) -> str:

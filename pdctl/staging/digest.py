@@ -66,13 +66,13 @@ def chunk_digests(data: torch.Tensor, num_chunks: int, *, backend: str | None = 
     if _backend(data.device, backend) == "triton":
         from pdctl.staging.kernels.digests import digest_sums
 
-        return [_mix(value & _MASK, length) for value in digest_sums(words)]
+        return [digest_of_sum(value, length) for value in digest_sums(words)]
     weights = torch.arange(length, dtype=torch.int64, device=data.device) * 2 + 1
     sums: list[int] = []
     for start in range(0, num_chunks, _CHUNKS_PER_PASS):
         part = words[start : start + _CHUNKS_PER_PASS].to(torch.int64)
         sums += (part * weights).sum(dim=1).tolist()
-    return [_mix(value & _MASK, length) for value in sums]
+    return [digest_of_sum(value, length) for value in sums]
 
 
 def block_digests(block: torch.Tensor, num_layers: int, *, backend: str | None = None) -> list[int]:

@@ -218,9 +218,10 @@ class DecodeStagingHandler:
     def check_pages(
         self, pages: PageIndices, plan: Sequence[Segment], expected: Digests
     ) -> DigestMismatch | None:
-        """Gather `plan`'s segments back out of `pages` and compare them with the writers'
-        digests (`expected[w]`: every segment's, in order): proof that the KV landed in
-        the pages, not only in the ring. Any page list, staged or written directly."""
+        """Digest `plan`'s segments where they lie in `pages` (`page_digests`, nothing
+        gathered) and compare them with the writers' digests (`expected[w]`: every
+        segment's, in order): proof that the KV landed in the pages, not only in the
+        ring. Any page list, staged or written directly."""
         per_segment = 2 * self.info.num_layers
         spans = [(segment.page_start, segment.num_pages) for segment in plan]
         with self.lock:
@@ -242,21 +243,6 @@ class DecodeStagingHandler:
         return None
 
     # -- the steps -------------------------------------------------------------------
-    def register_room(
-        self,
-        room: int,
-        page_indices: PageIndices,
-        scheduler_stream: Any = None,
-        *,
-        ready: Any = None,
-    ) -> None:
-        """`open_room` without faults (the name the step-by-step tests use)."""
-        self.open_room(room, page_indices, scheduler_stream, ready=ready)
-
-    def release_room(self, room: int) -> Watermark:
-        """`close_room` (the name the step-by-step tests use)."""
-        return self.close_room(room)
-
     def assign_region(self, room: int, segment: Segment) -> Region | None:
         """A ring region for one segment of the room, or None until the ring frees space."""
         with self.lock:

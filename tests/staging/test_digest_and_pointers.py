@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdctl.staging.descriptors import (
+    KVRows,
     as_u64,
     block_address,
     direct_descriptors,
@@ -140,8 +141,9 @@ def test_head_slice_descriptors_match_a_brute_force_construction(heads, pages, p
     dst_bases = [2**62 + n * pool for n in range(2 * layers)]
     dst_pages = [(p * 7 + 3) % 64 for p in pages]
     src, dst, lengths = head_slice_descriptors(
-        src_bases, dst_bases, pages, dst_pages, page_size=page, head_bytes=head_bytes,
-        src_heads=src_heads, dst_heads=dst_heads, piece=piece,
+        src_bases, dst_bases, pages, dst_pages,
+        KVRows(page_size=page, head_bytes=head_bytes, src_heads=src_heads,
+               dst_heads=dst_heads, piece=piece),
     )  # fmt: skip
     assert src.dtype == dst.dtype == lengths.dtype == np.uint64
     built = list(zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True))
@@ -166,8 +168,9 @@ def test_direct_descriptors_move_the_head_slice_into_the_peer_pages(
     dst_k, dst_v = random_kv(layers, 16 * page, dst_heads, dim, torch.bfloat16, seed=2)
     src_pages, dst_pages = [3, 0, 7], [5, 11, 2]
     src, dst, lengths = direct_descriptors(
-        kv_bases(src_k, src_v), kv_bases(dst_k, dst_v), src_pages, dst_pages, page_size=page,
-        head_bytes=dim * 2, src_heads=src_heads, dst_heads=dst_heads, piece=piece,
+        kv_bases(src_k, src_v), kv_bases(dst_k, dst_v), src_pages, dst_pages,
+        KVRows(page_size=page, head_bytes=dim * 2, src_heads=src_heads, dst_heads=dst_heads,
+               piece=piece),
     )  # fmt: skip
     whole_pages = src_heads == dst_heads == piece.num_heads
     assert len(src) == 2 * layers * len(src_pages) * (1 if whole_pages else page)

@@ -55,7 +55,7 @@ def test_requests_move_through_a_wrapping_ring(prefill_tp, decode_tp, backend) -
         src_pages = random_pages(POOL_PAGES, num_pages, seed=request)
         dst_pages = random_pages(POOL_PAGES, num_pages, seed=100 + request)
         for handler in handlers:
-            handler.register_room(request, dst_pages, None)
+            handler.open_room(request, dst_pages, None)
             segments = plan_segments(
                 num_pages,
                 PAGE,
@@ -82,7 +82,7 @@ def test_requests_move_through_a_wrapping_ring(prefill_tp, decode_tp, backend) -
                 assert handler.check_digests(region, segment, sent) is None
                 handler.scatter(request, region, segment)
                 handler.reap(request)
-            handler.release_room(request)
+            handler.close_room(request)
         src_rows = torch.tensor([int(p) * PAGE + i for p in src_pages for i in range(PAGE)])
         dst_rows = torch.tensor([int(p) * PAGE + i for p in dst_pages for i in range(PAGE)])
         expected_rows.append((src_rows, dst_rows))

@@ -58,9 +58,9 @@ def test_scatter_orders_after_the_rooms_event_on_real_streams() -> None:
     handler = DecodeStagingHandler(k, v, page_size=4, ring=ring, layout=layout)
     scheduler = dev.create_device_stream(device)
     segment = Segment(0, 0, 2)
-    handler.register_room(0, torch.tensor([2, 3], device=device), scheduler)  # warm-up: compile
+    handler.open_room(0, torch.tensor([2, 3], device=device), scheduler)  # warm-up: compile
     handler.scatter(0, handler.assign_region(0, segment), segment)
-    handler.release_room(0)
+    handler.close_room(0)
     pages = torch.tensor([0, 1], device=device)  # ids already on the device: no host copy
     region = ring.allocator.assign(layout.region_bytes(8))
     ring.allocator.free(region)
@@ -70,10 +70,10 @@ def test_scatter_orders_after_the_rooms_event_on_real_streams() -> None:
         torch.cuda._sleep(
             2_000_000_000
         )  # cuda-only: about a second of work on the scheduler stream
-        handler.register_room(1, pages, scheduler)  # records the room's event after it
+        handler.open_room(1, pages, scheduler)  # records the room's event after it
     region = handler.assign_region(1, segment)
     handler.scatter(1, region, segment)
     assert handler.has_inflight(1)  # waits on the room's event, so still pending
-    handler.release_room(1)  # drains the scatter stream, then frees
+    handler.close_room(1)  # drains the scatter stream, then frees
     assert not handler.rooms and ring.allocator.is_empty
     assert (k[0][0:8].view(torch.uint8) == 7).all()

@@ -36,7 +36,7 @@ from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import PeerCallError
 from pdctl.staging import device as dev
 from pdctl.staging.buffer import init_staging_buffers
-from pdctl.staging.descriptors import block_address, direct_descriptors, kv_bases
+from pdctl.staging.descriptors import KVRows, block_address, direct_descriptors, kv_bases
 from pdctl.staging.digest import block_digests
 from pdctl.staging.kernels import gather_all_layers_to_staging, page_digests
 from pdctl.staging.layout import HeadSlice, StagingLayout, head_slices, plan_segments
@@ -301,11 +301,13 @@ class KVSender:
             [address for pair in reg.kv_bases for address in pair],
             pages,
             reg.pages,
-            page_size=self.kv.page_size,
-            head_bytes=reg.head_dim * reg.elem_bytes,
-            src_heads=self.kv.k_buffers[0].shape[1],
-            dst_heads=reg.kv_heads,
-            piece=piece,
+            KVRows(
+                page_size=self.kv.page_size,
+                head_bytes=reg.head_dim * reg.elem_bytes,
+                src_heads=self.kv.k_buffers[0].shape[1],
+                dst_heads=reg.kv_heads,
+                piece=piece,
+            ),
         )
         plan = self._plan(pages, layout, reg)
         started = time.perf_counter()

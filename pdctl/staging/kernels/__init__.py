@@ -57,7 +57,7 @@ def upload_pages(page_indices: PageIndices, page_size: int, info: KVInfo) -> tor
     return pages.to(device=info.device, dtype=torch.int64, non_blocking=True)
 
 
-_SCRATCH = threading.local()  # per thread: a pool-sized stamp array and an arange
+_SCRATCH = threading.local()  # per thread: page-check stamps and digest scratch
 
 
 def _scratch(num_pages: int, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -266,23 +266,28 @@ def page_digests(
             [digest_of_sum(total, count * page_size * num_cols) for total in row]
             for (_, count), row in zip(segments, sums, strict=True)
         ]
-    return [_gathered_digests(kvset, pages, segment, head_start, num_heads, page_size, name)
-            for segment in segments]  # fmt: skip
+    digests = []
+    for start, count in segments:  # each gathered into scratch memory, then digested
+        nbytes = 2 * info.num_layers * count * page_size * num_heads * head_bytes
+        scratch = _digest_scratch(info.device, nbytes)
+        gather_all_layers_to_staging(
+            k_buffers, v_buffers, pages[start : start + count], scratch,
+            src_head_start=head_start, num_heads=num_heads, page_size=page_size, backend=name,
+        )  # fmt: skip
+        digests.append(block_digests(scratch, info.num_layers, backend=name))
+    return digests
 
 
-def _gathered_digests(
-    kvset: KVSet, pages: torch.Tensor, segment: tuple[int, int], head_start: int,
-    num_heads: int, page_size: int, backend: str,
-) -> list[int]:  # fmt: skip
-    info = kvset.info
-    start, count = segment
-    nbytes = 2 * info.num_layers * count * page_size * num_heads * info.head_dim * info.elem_bytes
-    scratch = torch.empty(nbytes, dtype=torch.uint8, device=info.device)
-    gather_all_layers_to_staging(
-        kvset.buffers[0::2], kvset.buffers[1::2], pages[start : start + count], scratch,
-        src_head_start=head_start, num_heads=num_heads, page_size=page_size, backend=backend,
-    )  # fmt: skip
-    return block_digests(scratch, info.num_layers, backend=backend)
+def _digest_scratch(device: torch.device, nbytes: int) -> torch.Tensor:
+    """`nbytes` of this thread's scratch on `device`, grown when too small (its pages
+    stay touched: a fresh allocation per segment would fault them in every time)."""
+    if not hasattr(_SCRATCH, "digest"):
+        _SCRATCH.digest = {}
+    cache: dict[torch.device, torch.Tensor] = _SCRATCH.digest
+    buffer = cache.get(device)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = cache[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffer[:nbytes]
 
 
 __all__ = [

@@ -13,8 +13,6 @@ do not depend on their order, so the values are bit-identical to the torch path
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -41,8 +39,7 @@ def digest_sums(words: torch.Tensor) -> list[int]:
     blocks = triton.cdiv(chunk_words, BLOCK)
     partial = torch.empty(num_chunks, blocks, dtype=torch.int64, device=words.device)
     device = words.device
-    context = dev.device_context(device) if device.type != "cpu" else contextlib.nullcontext()
-    with context:  # Triton launches on the thread's current device
+    with dev.device_context(device):  # Triton launches on the thread's current device
         _digest_kernel[(num_chunks, blocks)](
             words, partial, chunk_words, blocks, BLOCK=BLOCK, num_warps=8
         )
@@ -109,8 +106,7 @@ def page_digest_sums(
     flat = [value for start, count in segments for value in (start, count * page_size)]
     described = torch.tensor(flat, dtype=torch.int64).to(device)
     partial = torch.zeros(len(segments) * num_buffers, blocks, dtype=torch.int64, device=device)
-    context = dev.device_context(device) if device.type != "cpu" else contextlib.nullcontext()
-    with context:  # Triton launches on the thread's current device
+    with dev.device_context(device):  # Triton launches on the thread's current device
         _page_digest_kernel[(len(segments) * num_buffers, blocks)](
             table, pages, described, partial, num_buffers, page_size, row_words, col_start,
             blocks, NUM_COLS=num_cols, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=8,

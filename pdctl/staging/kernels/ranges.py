@@ -16,7 +16,6 @@ length allows (8, 4, 2 or 1 bytes).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import numpy as np
@@ -25,10 +24,10 @@ import triton
 import triton.language as tl
 
 from pdctl.staging import device as dev
+from pdctl.staging.kernels.kvset import WORD_DTYPES
 
 CHUNK_BYTES = 16 * 1024  # bytes per program at most
 MAX_CHUNKS = 65535  # the grid's second dimension
-WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 @triton.jit(do_not_specialize=["num_ranges"])
@@ -82,8 +81,7 @@ def copy_ranges(
         )
     on_device = torch.from_numpy(table).to(device)  # pageable: copied before returning
     warps = 8 if chunk * word >= 8192 else 4
-    context = dev.device_context(device) if device.type != "cpu" else contextlib.nullcontext()
-    with context:  # Triton launches on the thread's current device
+    with dev.device_context(device):  # Triton launches on the thread's current device
         _copy_ranges_kernel[grid](
             on_device, _dummy(device, word), len(src), CHUNK=chunk, num_warps=warps
         )

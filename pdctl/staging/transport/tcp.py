@@ -24,6 +24,7 @@ import secrets
 import select
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -277,21 +278,24 @@ class TcpTransport(Transport):
 
     def _write(self, peer: Peer, descriptors: Descriptors, notify: bytes | None) -> None:
         route = self._route(peer, descriptors)
-        direct = route is not None and peer.state.get("pidfd") is not None
-        if route is not None and direct:
+        if route is not None and peer.state.get("pidfd") is not None:
             # Same host: the copy itself completes the write (the bytes are in the peer's
             # memory when it returns). A notification follows on TCP, in order after the
             # bytes, without waiting for an acknowledgement (as NIXL's do).
             self._check_alive(peer)
             self._direct(peer, route, descriptors)
-            if notify is None:
-                return
+            if notify is not None:
+                self._on_connection(
+                    peer, lambda c: wire.send_frame(c.sock, wire.NOTIFY, payload=notify)
+                )
+            return
+        self._on_connection(peer, lambda c: self._send(c, peer, route, descriptors, notify))
+
+    def _on_connection(self, peer: Peer, action: Callable[[Connection], None]) -> None:
+        """`action` on a pooled connection to `peer`; a connection that failed is closed."""
         connection = self._acquire(peer)
         try:
-            if direct:
-                wire.send_frame(connection.sock, wire.NOTIFY, payload=notify or b"")
-            else:
-                self._send(connection, peer, route, descriptors, notify)
+            action(connection)
         except (OSError, wire.ProtocolError) as exc:
             connection.close()
             self._shrink(peer)
