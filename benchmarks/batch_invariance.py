@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdctl.serve import ops, triton_ops
+from pdctl.serve.model import ops, triton_matmul
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 SHAPES = ((2048, 4096), (2048, 11264), (704, 2048), (256, 2048), (2048, 32768), (2048, 2048))
@@ -68,7 +68,7 @@ def main() -> None:
     torch.manual_seed(0)
     report: dict[str, object] = {"products": []}
     for k, n in SHAPES:
-        for name, product in (("vendor", vendor), ("triton", triton_ops.matmul)):
+        for name, product in (("vendor", vendor), ("triton", triton_matmul.matmul)):
             row = {"kernel": name, **rows_changed(product, device, k, n)}
             report["products"].append(row)  # type: ignore[attr-defined]
             print(
@@ -86,7 +86,7 @@ def main() -> None:
         print(f"{name}: rows changed at M={changed or '-'}")
     q = torch.randn(16, 1024, 128, device=device).to(torch.bfloat16)
     keys = torch.randn(16, 1024, 128, device=device).to(torch.bfloat16).transpose(1, 2)
-    for name, product in (("vendor", vendor), ("triton", triton_ops.matmul)):
+    for name, product in (("vendor", vendor), ("triton", triton_matmul.matmul)):
         full = product(q, keys)
         changed = [
             m for m in (16, 64, 256) if not torch.equal(product(q[:, :m], keys), full[:, :m])
@@ -96,7 +96,7 @@ def main() -> None:
     for m in (16, 256, 2048):
         a = torch.randn(m, 2048, device=device).to(torch.bfloat16)
         w = torch.randn(2048, 11264, device=device).to(torch.bfloat16)
-        for name, product in (("vendor", vendor), ("triton", triton_ops.matmul)):
+        for name, product in (("vendor", vendor), ("triton", triton_matmul.matmul)):
             us = timed_us(product, a, w)
             report[f"{name} M={m} us"] = us
             print(f"M={m:5} {name:6}: {us:8.1f} us  {2 * m * 2048 * 11264 / us / 1e6:6.1f} TFLOP/s")

@@ -102,7 +102,7 @@ MODEL_PRESETS: dict[str, ModelShape] = {
 }
 
 
-# The embedded encoder model (serve/encoder_model.py) shards its attention heads over
+# The embedded encoder model (serve/model/encoder.py) shards its attention heads over
 # the encoder role's TP ranks: a TP size must divide them.
 ENCODER_HEADS = 4
 

@@ -67,6 +67,43 @@ def test_imports_follow_the_package_map(path: Path) -> None:
     assert imported <= allowed, f"{path.relative_to(REPO)} imports {sorted(imported - allowed)}"
 
 
+# serve sub-package -> the serve modules it may import (besides itself): the model
+# knows nothing of the engine; the engine reaches the model only through `Piece`.
+SERVE_PARTS: dict[str, set[str]] = {
+    "model": set(),
+    "engine": {"model", "faults", "tokenizer"},
+}
+
+
+def serve_imports(path: Path) -> set[str]:
+    """The pdctl.serve sub-packages or modules that `path` imports (absolute imports)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+            if node.module == "pdctl.serve":
+                names = [f"pdctl.serve.{alias.name}" for alias in node.names]
+        found |= {n.split(".")[2] for n in names if n.startswith("pdctl.serve.")}
+    return found
+
+
+SERVE_PART_SOURCES = sorted(
+    p for part in SERVE_PARTS for p in (PACKAGE / "serve" / part).rglob("*.py")
+)
+
+
+@pytest.mark.parametrize(
+    "path", SERVE_PART_SOURCES, ids=[str(p.relative_to(REPO)) for p in SERVE_PART_SOURCES]
+)
+def test_serve_parts_import_only_what_they_may(path: Path) -> None:
+    part = path.relative_to(PACKAGE / "serve").parts[0]
+    imported = serve_imports(path) - {part}
+    assert imported <= SERVE_PARTS[part], f"{path.relative_to(REPO)} imports {sorted(imported)}"
+
+
 def test_cli_commands_do_not_import_torch() -> None:
     """validate/schema/plan start fast: importing the CLI must not pull in torch."""
     code = "import sys, pdctl.cli.app; print('torch' in sys.modules)"

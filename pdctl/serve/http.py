@@ -21,10 +21,10 @@ from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from pdctl.serve.engine import Engine
+from pdctl.serve.engine.loop import Engine
+from pdctl.serve.engine.request import Event, Request
+from pdctl.serve.engine.sampling import SamplingParams
 from pdctl.serve.multimodal import PromptError, images_of
-from pdctl.serve.request import Event, Request
-from pdctl.serve.sampling import SamplingParams
 from pdctl.serve.schemas import CompletionBody, GenerateBody, SamplingBody, error_body
 
 MAX_BODY_BYTES = 16 << 20

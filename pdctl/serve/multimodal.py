@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pdctl.serve.encoder_model import EncoderModel, ImageError, parse_image
+from pdctl.serve.model.encoder import EncoderModel, ImageError, parse_image
 from pdctl.serve.tokenizer import Tokenizer
 from pdctl.staging.digest import chunk_digests
 

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdctl.serve.engine.sampling import SamplingParams
 from pdctl.serve.http import (
     BadRequest,
     Outcome,
@@ -21,7 +22,6 @@ from pdctl.serve.http import (
     pd_fields,
     sse,
 )
-from pdctl.serve.sampling import SamplingParams
 from pdctl.serve.schemas import CompletionBody, error_body
 
 

@@ -21,13 +21,12 @@ from pathlib import Path
 import torch
 
 from pdctl.core import DIST_BACKENDS
-from pdctl.serve import ops
 from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.args import ServerArgs
-from pdctl.serve.kv_pool import KVPool
-from pdctl.serve.model import ModelRunner
-from pdctl.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from pdctl.serve.weights import (
+from pdctl.serve.engine.kv_pool import KVPool
+from pdctl.serve.model import ops
+from pdctl.serve.model.runner import ModelRunner
+from pdctl.serve.model.weights import (
     DTYPES,
     ModelConfig,
     RankWeights,
@@ -37,6 +36,7 @@ from pdctl.serve.weights import (
     preset_config,
     preset_source,
 )
+from pdctl.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from pdctl.staging import device as dev
 
 log = logging.getLogger("pdctl.serve")

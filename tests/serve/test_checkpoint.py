@@ -8,9 +8,9 @@ import httpx
 import pytest
 import torch
 
-from pdctl.serve.kv_pool import KVPool
-from pdctl.serve.model import ModelRunner, Piece
-from pdctl.serve.weights import build_rank_weights, checkpoint_config, checkpoint_source
+from pdctl.serve.engine.kv_pool import KVPool
+from pdctl.serve.model.runner import ModelRunner, Piece
+from pdctl.serve.model.weights import build_rank_weights, checkpoint_config, checkpoint_source
 from tests.serve.checkpoints import reference_logits, write_checkpoint
 
 

@@ -14,16 +14,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdctl.serve import ops
-from pdctl.serve.engine import Engine
-from pdctl.serve.kv_pool import KVPool, ReqToToken
-from pdctl.serve.model import ModelRunner, Piece
-from pdctl.serve.radix import RadixCache
-from pdctl.serve.request import Request
-from pdctl.serve.sampling import SamplingParams
-from pdctl.serve.scheduler import Budget, Scheduler
+from pdctl.serve.engine.kv_pool import KVPool, ReqToToken
+from pdctl.serve.engine.loop import Engine
+from pdctl.serve.engine.radix import RadixCache
+from pdctl.serve.engine.request import Request
+from pdctl.serve.engine.sampling import SamplingParams
+from pdctl.serve.engine.scheduler import Budget, Scheduler
+from pdctl.serve.model import ops
+from pdctl.serve.model.runner import ModelRunner, Piece
+from pdctl.serve.model.weights import build_rank_weights, preset_config, preset_source
 from pdctl.serve.tokenizer import ByteTokenizer
-from pdctl.serve.weights import build_rank_weights, preset_config, preset_source
 
 torch.set_num_threads(1)
 CONFIG = preset_config("tiny")

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdctl.core import MODEL_PRESETS
-from pdctl.serve.encoder_model import (
+from pdctl.serve.model.encoder import (
     CHANNELS,
     IMAGE_DTYPES,
     MAX_SIDE,
@@ -31,7 +31,7 @@ from pdctl.serve.encoder_model import (
     num_image_tokens,
     parse_image,
 )
-from pdctl.serve.weights import preset_source
+from pdctl.serve.model.weights import preset_source
 
 torch.set_num_threads(1)
 HIDDEN = MODEL_PRESETS["tiny"].hidden_size

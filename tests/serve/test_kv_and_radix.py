@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdctl.serve.kv_pool import PageAllocator
-from pdctl.serve.radix import RadixCache
+from pdctl.serve.engine.kv_pool import PageAllocator
+from pdctl.serve.engine.radix import RadixCache
 
 PAGE = 4
 

@@ -17,7 +17,7 @@ import yaml
 from pdctl.core import MODEL_PRESETS
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.run import Run
-from pdctl.serve.encoder_model import EncoderModel, parse_image
+from pdctl.serve.model.encoder import EncoderModel, parse_image
 from pdctl.serve.multimodal import digest_of
 from pdctl.verify.workload import image
 from tests.conftest import REPO

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from pdctl.serve.model.weights import DTYPES
 from pdctl.serve.multimodal import digest_of
 from pdctl.serve.pd.protocol import BootstrapError
-from pdctl.serve.weights import DTYPES
 from pdctl.staging.allocator import RegionTooLarge
 from pdctl.staging.embedding_pool import EmbeddingPool, EmbeddingSlot
 from pdctl.staging.transport import Transport

@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
+from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.faults import RoomFaults
-from pdctl.serve.kv_pool import KVPool
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import Client, PeerCallError
 from pdctl.staging.allocator import Region

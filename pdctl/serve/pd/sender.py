@@ -30,8 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.faults import RoomFaults
-from pdctl.serve.kv_pool import KVPool
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import PeerCallError
 from pdctl.staging import device as dev

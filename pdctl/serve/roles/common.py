@@ -14,14 +14,14 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from pdctl.serve import ops
 from pdctl.serve import tp as tensor_parallel
-from pdctl.serve.engine import Engine, PDHooks
+from pdctl.serve.engine.kv_pool import ReqToToken
+from pdctl.serve.engine.loop import Engine, PDHooks
+from pdctl.serve.engine.radix import RadixCache
+from pdctl.serve.engine.scheduler import Budget, Scheduler
 from pdctl.serve.http import ServerContext
-from pdctl.serve.kv_pool import ReqToToken
-from pdctl.serve.radix import RadixCache
+from pdctl.serve.model import ops
 from pdctl.serve.runtime import Rank, rank_forward, stop_ranks
-from pdctl.serve.scheduler import Budget, Scheduler
 
 log = logging.getLogger("pdctl.serve")
 
@@ -123,7 +123,7 @@ def serve(
 
 def in_process_encoder(rank: Rank) -> Callable[[Any, list[Any]], tuple[list[int], list[Any]]]:
     """For ServerContext.encode: the encoder model run inside this server (colocated)."""
-    from pdctl.serve.encoder_model import EncoderModel
+    from pdctl.serve.model.encoder import EncoderModel
     from pdctl.serve.multimodal import encode_prompt, splices
     from pdctl.serve.runtime import DTYPES
 

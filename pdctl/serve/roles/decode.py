@@ -20,7 +20,9 @@ from fastapi.responses import JSONResponse
 
 from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.bootstrap import json_object
-from pdctl.serve.engine import Engine
+from pdctl.serve.engine.loop import Engine
+from pdctl.serve.engine.request import Request
+from pdctl.serve.engine.sampling import TokenChoice
 from pdctl.serve.http import BadRequest, ServerContext, create_app
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import (
@@ -33,10 +35,8 @@ from pdctl.serve.pd.client import (
 from pdctl.serve.pd.endpoint import endpoint_name, make_transport
 from pdctl.serve.pd.protocol import json_int
 from pdctl.serve.pd.receiver import KVReceiver
-from pdctl.serve.request import Request
 from pdctl.serve.roles.common import build_engine, serve, server_info
 from pdctl.serve.runtime import Rank
-from pdctl.serve.sampling import TokenChoice
 from pdctl.staging import device as dev
 
 log = logging.getLogger("pdctl.serve")

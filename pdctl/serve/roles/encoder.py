@@ -9,7 +9,7 @@ against device streams), asks prefill for a slot, writes the rows there with the
 topology's transport, and reports their digest; prefill checks it. The answer is
 the prompt the router sends on to prefill and decode: `input_ids`, `mm_items`.
 
-With TP > 1 the encoder model is sharded over the ranks (encoder_model.py): rank 0
+With TP > 1 the encoder model is sharded over the ranks (model/encoder.py): rank 0
 serves HTTP, checks each image and announces it to the other ranks (OP_ENCODE, the
 image's float32 bits as int64, never pickled), then every rank computes its heads
 and its share of the MLP, exchanging row-parallel partials; rank 0 sends the result.
@@ -29,9 +29,9 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
-from pdctl.serve.encoder_model import EncoderModel
 from pdctl.serve.faults import faults
 from pdctl.serve.http import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
+from pdctl.serve.model.encoder import EncoderModel
 from pdctl.serve.multimodal import PromptError, digest_of, encode_prompt, images_of
 from pdctl.serve.pd.client import Client, PeerCallError, warn_if_no_secret
 from pdctl.serve.pd.endpoint import make_transport

@@ -15,7 +15,9 @@ from typing import Any
 from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.args import ServerArgs
 from pdctl.serve.bootstrap import BootstrapError, Rooms, bootstrap_app
-from pdctl.serve.engine import Engine
+from pdctl.serve.engine.loop import Engine
+from pdctl.serve.engine.request import Request
+from pdctl.serve.engine.sampling import TokenChoice
 from pdctl.serve.http import BadRequest, ServerContext, create_app
 from pdctl.serve.multimodal import PromptError, check_items, splices
 from pdctl.serve.pd import protocol as proto
@@ -24,10 +26,8 @@ from pdctl.serve.pd.embeddings import EmbeddingError, EmbeddingReceiver
 from pdctl.serve.pd.endpoint import make_transport
 from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher
 from pdctl.serve.pd.sender import KVSender, Report, Snapshot
-from pdctl.serve.request import Request
 from pdctl.serve.roles.common import build_engine, serve, server_info
 from pdctl.serve.runtime import Rank
-from pdctl.serve.sampling import TokenChoice
 from pdctl.staging import device as dev
 from pdctl.staging.embedding_pool import EmbeddingPool
 

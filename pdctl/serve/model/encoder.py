@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from pdctl.core import ENCODER_HEADS, encoder_tp_problem
-from pdctl.serve import ops
-from pdctl.serve.weights import preset_source, row_chunks
+from pdctl.serve.model import ops
+from pdctl.serve.model.weights import preset_source, row_chunks
 
 PATCH = 4  # pixels per patch side
 CHANNELS = 3

@@ -18,7 +18,7 @@ Why results could otherwise change with the batch (measured on this torch/MKL):
   one bf16 step away from the full prompt's). In deterministic mode (the topology's
   `serving.deterministic`, on by default; the server's `--deterministic`) every
   product, row sum and attention product goes through one fixed-configuration
-  Triton kernel (`triton_ops.py`): each output element is reduced in the same fixed
+  Triton kernel (`triton_matmul.py`): each output element is reduced in the same fixed
   order whatever the batch, chunking or TP split. `--no-deterministic` takes the
   vendor libraries (faster, not invariant) and, on cpu, torch's thread pool.
 - Tensor parallelism: a row-parallel product is split into REDUCTION_CHUNKS fixed
@@ -77,9 +77,9 @@ def _invariant_kernels(device_type: str) -> bool:
 def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for 2-D or batched 3-D operands, batch-invariant on every device."""
     if _invariant_kernels(a.device.type):
-        from pdctl.serve import triton_ops
+        from pdctl.serve.model import triton_matmul
 
-        return triton_ops.matmul(a, b)
+        return triton_matmul.matmul(a, b)
     return torch.mm(a, b) if a.dim() == 2 else torch.bmm(a, b)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pdctl.core import MODEL_PRESETS, ModelShape
-from pdctl.serve import ops
+from pdctl.serve.model import ops
 from pdctl.staging.layout import rank_heads
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from pdctl.serve.kv_pool import PageAllocator
+from pdctl.serve.engine.kv_pool import PageAllocator
 
 
 @dataclass(eq=False)

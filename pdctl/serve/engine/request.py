@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from pdctl.serve.radix import Node
-from pdctl.serve.sampling import SamplingParams, TokenChoice
+from pdctl.serve.engine.radix import Node
+from pdctl.serve.engine.sampling import SamplingParams, TokenChoice
 
 
 class Phase(Enum):

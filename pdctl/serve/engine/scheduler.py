@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pdctl.serve.kv_pool import KVPool, ReqToToken
-from pdctl.serve.model import Piece
-from pdctl.serve.radix import RadixCache
-from pdctl.serve.request import Phase, Request
+from pdctl.serve.engine.kv_pool import KVPool, ReqToToken
+from pdctl.serve.engine.radix import RadixCache
+from pdctl.serve.engine.request import Phase, Request
+from pdctl.serve.model.runner import Piece
 
 
 @dataclass

@@ -23,11 +23,11 @@ from typing import Any, Protocol
 
 import torch
 
+from pdctl.serve.engine.request import Event, Phase, Request
+from pdctl.serve.engine.sampling import TokenChoice, choose, generator_for
+from pdctl.serve.engine.scheduler import Scheduler
 from pdctl.serve.faults import faults
-from pdctl.serve.model import Piece
-from pdctl.serve.request import Event, Phase, Request
-from pdctl.serve.sampling import TokenChoice, choose, generator_for
-from pdctl.serve.scheduler import Scheduler
+from pdctl.serve.model.runner import Piece
 from pdctl.serve.tokenizer import Tokenizer
 
 log = logging.getLogger("pdctl.serve")

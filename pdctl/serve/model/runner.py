@@ -8,19 +8,27 @@ pieces in the batch, on how a prompt was chunked, or on a prefix-cache hit.
 
 Tensor parallelism: each rank holds its heads and its share of the MLP; the two
 row-parallel products gather partials through `gather` (None at TP 1). The runner
-knows nothing about scheduling or HTTP.
+knows nothing about scheduling, pages or HTTP: it reads and writes the KV buffers
+(`KVBuffers`, the engine's pool) at the rows each piece names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from pdctl.serve import ops
-from pdctl.serve.kv_pool import KVPool
-from pdctl.serve.weights import RankWeights
+from pdctl.serve.model import ops
+from pdctl.serve.model.weights import RankWeights
+
+
+class KVBuffers(Protocol):
+    """Where the model keeps K and V: the engine's `KVPool` is one."""
+
+    k_buffers: list[torch.Tensor]  # per layer [pool_tokens, kv_heads, head_dim]
+    v_buffers: list[torch.Tensor]  # per layer [pool_tokens, kv_heads, head_dim]
 
 
 @dataclass
@@ -39,7 +47,7 @@ class ModelRunner:
     def __init__(
         self,
         weights: RankWeights,
-        kv: KVPool,
+        kv: KVBuffers,
         device: torch.device,
         gather: ops.AllGather | None = None,
         compute_logits: bool = True,
