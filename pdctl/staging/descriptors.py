@@ -60,6 +60,21 @@ def region_descriptors(
     return src, dst, lengths
 
 
+def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Maximal runs of pages consecutive on both sides: (src first, dst first, length).
+
+    A scheduler hands out pages lowest first, so a request's pages are mostly runs;
+    one descriptor per run instead of per page (SGLang's KV senders group the same
+    way). Pages 3 4 5 9 -> 7 8 9 0 give the runs (3, 7, 3) and (9, 0, 1).
+    """
+    src_pages = np.asarray(src_pages, dtype=np.int64)
+    dst_pages = np.asarray(dst_pages, dtype=np.int64)
+    joined = (np.diff(src_pages) == 1) & (np.diff(dst_pages) == 1)  # page i+1 extends i
+    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
+    lengths = np.diff(np.append(starts, len(src_pages)))
+    return src_pages[starts], dst_pages[starts], lengths
+
+
 def page_descriptors(
     src_bases: Sequence[int],
     dst_bases: Sequence[int],
@@ -67,19 +82,25 @@ def page_descriptors(
     dst_pages: np.ndarray,
     page_bytes: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Direct (no staging) page copies: for every buffer pair and page, one descriptor.
+    """Direct (no staging) page copies: for every buffer pair, one descriptor per run of
+    pages consecutive on both sides (`page_runs`), buffer-major.
 
     `src_bases[i]` and `dst_bases[i]` are the base addresses of matching KV buffers
     (layer K, layer V, ...) whose pages are `page_bytes` apart.
     """
     if len(src_bases) != len(dst_bases) or len(src_pages) != len(dst_pages):
         raise ValueError("buffer and page lists must pair up")
+    if len(src_pages) == 0:
+        empty = np.zeros(0, dtype=np.uint64)
+        return empty, empty, empty
+    src_first, dst_first, run_pages = page_runs(src_pages, dst_pages)
     size = np.uint64(page_bytes)
-    src_off = as_u64(np.asarray(src_pages, dtype=np.int64)) * size
-    dst_off = as_u64(np.asarray(dst_pages, dtype=np.int64)) * size
+    src_off = as_u64(src_first) * size
+    dst_off = as_u64(dst_first) * size
     src = (as_u64(src_bases)[:, None] + src_off[None, :]).reshape(-1)
     dst = (as_u64(dst_bases)[:, None] + dst_off[None, :]).reshape(-1)
-    return src, dst, np.full(src.shape, page_bytes, dtype=np.uint64)
+    lengths = np.tile(as_u64(run_pages) * size, len(src_bases))
+    return src, dst, lengths
 
 
 def offset_address(base: int, offset: int) -> int:
@@ -148,8 +169,9 @@ def direct_descriptors(
     dst_pages: Sequence[int] | np.ndarray,
     rows: KVRows,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A direct (unstaged) transfer of one head slice into a peer's KV pages: whole pages
-    when both sides hold exactly the slice's heads, else one write per token row."""
+    """A direct (unstaged) transfer of one head slice into a peer's KV pages: runs of
+    whole pages when both sides hold exactly the slice's heads, else one write per
+    token row."""
     heads = rows.piece.num_heads
     if rows.src_heads == heads and rows.dst_heads == heads:
         page_bytes = rows.page_size * heads * rows.head_bytes

@@ -20,6 +20,7 @@ from pdctl.staging.descriptors import (
     kv_bases,
     offset_address,
     page_descriptors,
+    page_runs,
     pointer_table,
     region_descriptors,
     unsigned_ptr,
@@ -184,6 +185,41 @@ def test_direct_descriptors_move_the_head_slice_into_the_peer_pages(
         assert torch.equal(
             as_bits(landed)[dst_rows, dst_heads_slice], as_bits(sent)[src_rows, src_heads_slice]
         )
+
+
+def test_page_runs_join_pages_consecutive_on_both_sides() -> None:
+    src_first, dst_first, lengths = page_runs(np.array([3, 4, 5, 9, 10]), np.array([7, 8, 9, 0, 2]))
+    assert src_first.tolist() == [3, 9, 10] and dst_first.tolist() == [7, 0, 2]
+    assert lengths.tolist() == [3, 1, 1]
+    s, d, n = page_descriptors([1000, 9000], [50000, 90000], np.array([3, 4]), np.array([7, 8]), 16)
+    assert s.tolist() == [1048, 9048] and d.tolist() == [50112, 90112] and n.tolist() == [32, 32]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    order=st.permutations(list(range(12))),
+    count=st.integers(1, 12),
+    shift=st.integers(0, 4),
+)
+def test_page_descriptors_in_runs_move_what_page_by_page_moves(order, count, shift) -> None:
+    """Whatever the runs, the descriptors write exactly each page into its peer page."""
+    page_bytes, pool_pages = 8, 16
+    src_pages = np.array(sorted(order[:count]) if shift % 2 else order[:count])
+    dst_pages = (src_pages + shift) % pool_pages
+    source = np.arange(2 * pool_pages * page_bytes, dtype=np.uint8)
+    target = np.zeros_like(source)
+    bases = [source.ctypes.data, source.ctypes.data + pool_pages * page_bytes]
+    peer = [target.ctypes.data, target.ctypes.data + pool_pages * page_bytes]
+    src, dst, lengths = page_descriptors(bases, peer, src_pages, dst_pages, page_bytes)
+    assert len(src) <= 2 * count
+    for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True):
+        ctypes.memmove(d, s, n)
+    expected = np.zeros_like(source)
+    for buffer in range(2):
+        for s, d in zip(src_pages.tolist(), dst_pages.tolist(), strict=True):
+            at, to = (buffer * pool_pages + s) * page_bytes, (buffer * pool_pages + d) * page_bytes
+            expected[to : to + page_bytes] = source[at : at + page_bytes]
+    assert np.array_equal(target, expected)
 
 
 def test_kv_bases_interleave_k_and_v_per_layer() -> None:

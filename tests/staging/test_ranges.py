@@ -102,3 +102,11 @@ def test_copy_ranges_on_the_device_matches_index_copies() -> None:
         for i, slot in enumerate(slots[:64].tolist()):
             s, d = i * int(stride), slot * int(stride)
             assert torch.equal(target[d : d + each], source[s : s + each])
+
+
+def test_the_transport_knows_how_long_a_range_one_launch_takes() -> None:
+    """tcp.py keeps the limit without importing Triton; it must be the kernel's."""
+    from pdctl.staging.kernels import ranges
+    from pdctl.staging.transport import tcp
+
+    assert tcp.MAX_RANGE_BYTES == ranges.MAX_RANGE_BYTES

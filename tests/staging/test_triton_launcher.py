@@ -1,10 +1,11 @@
-"""The Triton backend's direct launcher: cache keys, reuse and the fallback, on fakes."""
+"""The direct Triton launcher: cache keys, reuse and the fallback, on fakes."""
 
 from __future__ import annotations
 
 import torch
 
-from pdctl.staging.kernels.triton import _Launcher
+from pdctl.staging.kernels.launch import DirectLauncher
+from pdctl.staging.kernels.triton import CONSTEXPRS as NAMES
 
 
 class FakeCompiled:
@@ -41,15 +42,15 @@ CONSTEXPRS = (128, 16, 128, 1, 2, True, True, True)
 
 
 def launch(
-    launcher: _Launcher, staging: torch.Tensor, ints: tuple[int, ...] = (64, 2, 1, 1, 256, 0)
+    launcher: DirectLauncher, staging: torch.Tensor, ints: tuple[int, ...] = (64, 2, 1, 1, 256, 0)
 ) -> None:
     table = torch.zeros(2, dtype=torch.int64)
     pages = torch.zeros(4, dtype=torch.int64)
     launcher((1, 1, 1), (table, pages, staging), ints, CONSTEXPRS, 16)
 
 
-def make(kernel: FakeKernel) -> _Launcher:
-    launcher = _Launcher(kernel, current_device=lambda: 0)
+def make(kernel: FakeKernel) -> DirectLauncher:
+    launcher = DirectLauncher(kernel, NAMES, current_device=lambda: 0)
     launcher.direct = True
     return launcher
 

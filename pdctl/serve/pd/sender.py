@@ -38,7 +38,7 @@ from pdctl.staging import device as dev
 from pdctl.staging.buffer import init_staging_buffers
 from pdctl.staging.descriptors import KVRows, block_address, direct_descriptors, kv_bases
 from pdctl.staging.digest import block_digests
-from pdctl.staging.kernels import gather_all_layers_to_staging, page_digests
+from pdctl.staging.kernels import gather_all_layers_to_staging, start_page_digests
 from pdctl.staging.layout import HeadSlice, StagingLayout, head_slices, plan_segments
 from pdctl.staging.transport import Peer, Transport, TransportError
 
@@ -99,19 +99,32 @@ class KVSender:
             transport.register_tensor(buffer.tensor)
             self.buffers.put(buffer)
         transport.register_tensor(kv.kv)  # direct page writes read the pool itself
+        self.kv_bases = kv_bases(kv.k_buffers, kv.v_buffers)  # [L0.K, L0.V, L1.K, ...]
         self.peers: dict[str, Peer] = {}
         self.peers_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix=f"pdctl-send-{rank}")
+        self._local = threading.local()
 
     def send(self, room: int, pages: list[int], num_tokens: int, ready: Any) -> None:
         """Start sending `room` (pages hold the prompt's KV once `ready` completes)."""
         self.executor.submit(self._run, room, pages, num_tokens, ready)
 
+    def _stream(self) -> Any:
+        """This worker thread's own stream: a room's gathers and digests never queue
+        behind the engine's next forward on the default stream."""
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = dev.create_device_stream(self.kv.kv.device)
+        return stream
+
     def _run(self, room: int, pages: list[int], num_tokens: int, ready: Any) -> None:
         started = time.monotonic()
         try:
-            dev.stream_wait_event(dev.current_device_stream(self.kv.kv.device), ready)
-            stats = self._send(room, pages)
+            # The pages hold the prompt's KV once `ready` completed (the engine sampled
+            # the first token, so it usually has): the transport's own streams read them.
+            ready.synchronize()
+            with dev.device_stream_context(self._stream()):
+                stats = self._send(room, pages)
             stats["transfer_ms"] = round((time.monotonic() - started) * 1e3, 3)
             self.report(room, {"rank": self.rank, "ok": True, **stats})
         except (SendFailed, TransportError, PeerCallError) as exc:
@@ -297,7 +310,7 @@ class KVSender:
         piece = layout.slices[writer]
         peer = self._peer(reg)
         src, dst, lengths = direct_descriptors(
-            kv_bases(self.kv.k_buffers, self.kv.v_buffers),
+            self.kv_bases,
             [address for pair in reg.kv_bases for address in pair],
             pages,
             reg.pages,
@@ -311,26 +324,27 @@ class KVSender:
         )
         plan = self._plan(pages, layout, reg)
         started = time.perf_counter()
-        digests = page_digests(  # read in place: nothing gathered, one launch on a GPU
+        pending = start_page_digests(  # read in place: one launch on a GPU, beside the write
             self.kv.k_buffers, self.kv.v_buffers, pages,
             [(segment.page_start, segment.num_pages) for segment in plan],
             head_start=piece.src_head_start, num_heads=piece.num_heads,
             page_size=self.kv.page_size,
         )  # fmt: skip
         job.clock.digest += time.perf_counter() - started
-        message = proto.notify_message(
-            room,
-            proto.DIRECT_SEGMENT,
-            self.rank,
-            [d for part in digests for d in part],
-            int(lengths.sum()),
-        )
+        nbytes = int(lengths.sum())
+
+        def message() -> bytes:  # made once the copy is done (or before, by other transports)
+            waited = time.perf_counter()
+            digests = [d for part in pending.result() for d in part]
+            job.clock.digest += time.perf_counter() - waited
+            return proto.notify_message(room, proto.DIRECT_SEGMENT, self.rank, digests, nbytes)
+
         if not job.faults.corrupt_kv:
             self.transport.write(peer, src, dst, lengths, notify=message)
         else:  # fault injection: one byte of decode's first page, then the notification
             self.transport.write(peer, src, dst, lengths)
-            self._corrupt_remote(peer, int(src[0]), int(dst[0]), message)
-        return int(lengths.sum()), 0
+            self._corrupt_remote(peer, int(src[0]), int(dst[0]), message())
+        return nbytes, 0
 
     def _corrupt_remote(self, peer: Peer, src: int, dst: int, notify: bytes) -> None:
         """Overwrite the byte at `dst` with the byte at `src` (just sent there) flipped."""

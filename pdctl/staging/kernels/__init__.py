@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NoReturn
 
 import numpy as np
@@ -45,6 +46,13 @@ def upload_pages(page_indices: PageIndices, page_size: int, info: KVInfo) -> tor
     A pinned host tensor uploads asynchronously; ids already on the device are
     taken as they are (checking them would need a device synchronize).
     """
+    return checked_pages(page_indices, page_size, info).to(
+        device=info.device, dtype=torch.int64, non_blocking=True
+    )
+
+
+def checked_pages(page_indices: PageIndices, page_size: int, info: KVInfo) -> torch.Tensor:
+    """Page ids as a 1-D integer tensor where they are; host ids range- and duplicate-checked."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     pages = torch.as_tensor(page_indices)
@@ -54,7 +62,7 @@ def upload_pages(page_indices: PageIndices, page_size: int, info: KVInfo) -> tor
         )
     if pages.device.type == "cpu" and pages.numel():
         _check_host_pages(pages.numpy(), info.pool_tokens // page_size)
-    return pages.to(device=info.device, dtype=torch.int64, non_blocking=True)
+    return pages
 
 
 _SCRATCH = threading.local()  # per thread: page-check stamps and digest scratch
@@ -223,6 +231,28 @@ _DIGEST_TABLES: BufferCache[torch.Tensor] = BufferCache(
 )
 
 
+@dataclass
+class PendingDigests:
+    """Page digests under way on the device (`start_page_digests`); `result()` waits."""
+
+    sums: torch.Tensor | None  # [segments * buffers] int64 weighted sums, on the device
+    words: list[int]  # per segment: words per chunk
+    num_buffers: int
+    ready: list[list[int]] | None = None
+
+    def result(self) -> list[list[int]]:
+        """Per segment, the digests [L0.K, L0.V, L1.K, ...] (one host synchronisation)."""
+        if self.ready is None:
+            assert self.sums is not None
+            sums = self.sums.tolist()
+            width = self.num_buffers
+            self.ready = [
+                [digest_of_sum(total, words) for total in sums[i * width : (i + 1) * width]]
+                for i, words in enumerate(self.words)
+            ]
+        return self.ready
+
+
 def page_digests(
     k_buffers: Sequence[torch.Tensor],
     v_buffers: Sequence[torch.Tensor],
@@ -235,17 +265,34 @@ def page_digests(
     backend: str | None = None,
 ) -> list[list[int]]:
     """For each segment (page_start, num_pages) of the page list, the digests that
-    `block_digests` gives of its gathered head slice, [L0.K, L0.V, L1.K, ...].
+    `block_digests` gives of its gathered head slice, [L0.K, L0.V, L1.K, ...]."""
+    return start_page_digests(
+        k_buffers, v_buffers, page_indices, segments, head_start=head_start,
+        num_heads=num_heads, page_size=page_size, backend=backend,
+    ).result()  # fmt: skip
 
-    With Triton, read in place from the pages in one launch (nothing gathered, one
-    host synchronisation); elsewhere, each segment gathered into scratch memory and
-    digested. The values are the same either way.
-    """
+
+def start_page_digests(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: PageIndices,
+    segments: Sequence[tuple[int, int]],
+    *,
+    head_start: int,
+    num_heads: int,
+    page_size: int,
+    backend: str | None = None,
+) -> PendingDigests:
+    """`page_digests`, started: with Triton, read in place from the pages in one launch
+    on the current stream (nothing gathered; the page ids and segments go up in one
+    copy) and waited for by `result()`, so other work can be issued meanwhile;
+    elsewhere, each segment gathered into scratch memory and digested at once. The
+    values are the same either way."""
     kvset = prepare_kv(k_buffers, v_buffers)
     info = kvset.info
     _check_heads(head_start, num_heads, info, "source")
     name = _backend_for(info, backend)
-    pages = upload_pages(page_indices, page_size, info)
+    pages = checked_pages(page_indices, page_size, info)
     for start, count in segments:
         if start < 0 or count < 1 or start + count > pages.numel():
             raise ValueError(
@@ -253,19 +300,18 @@ def page_digests(
             )
     head_bytes = info.head_dim * info.elem_bytes
     if name == "triton" and kvset.max_word >= 4 and head_bytes % 4 == 0 and segments:
-        from pdctl.staging.kernels.digests import page_digest_sums
+        from pdctl.staging.kernels.digests import launch_page_digest_sums
 
         views = kvset.views(4)
         num_cols = num_heads * head_bytes // 4
-        sums = page_digest_sums(
+        sums = launch_page_digest_sums(
             _DIGEST_TABLES.get(views), pages, list(segments), num_buffers=len(views),
             page_size=page_size, row_words=views[0].shape[1],
             col_start=head_start * head_bytes // 4, num_cols=num_cols,
         )  # fmt: skip
-        return [
-            [digest_of_sum(total, count * page_size * num_cols) for total in row]
-            for (_, count), row in zip(segments, sums, strict=True)
-        ]
+        words = [count * page_size * num_cols for _, count in segments]
+        return PendingDigests(sums, words, len(views))
+    pages = pages.to(device=info.device, dtype=torch.int64, non_blocking=True)
     digests = []
     for start, count in segments:  # each gathered into scratch memory, then digested
         nbytes = 2 * info.num_layers * count * page_size * num_heads * head_bytes
@@ -275,7 +321,7 @@ def page_digests(
             src_head_start=head_start, num_heads=num_heads, page_size=page_size, backend=name,
         )  # fmt: skip
         digests.append(block_digests(scratch, info.num_layers, backend=name))
-    return digests
+    return PendingDigests(None, [], 2 * info.num_layers, ready=digests)
 
 
 def _digest_scratch(device: torch.device, nbytes: int) -> torch.Tensor:
@@ -293,10 +339,12 @@ def _digest_scratch(device: torch.device, nbytes: int) -> torch.Tensor:
 __all__ = [
     "KVInfo",
     "KVSet",
+    "PendingDigests",
     "describe_kv",
     "gather_all_layers_to_staging",
     "page_digests",
     "prepare_kv",
     "scatter_staging_to_kv",
+    "start_page_digests",
     "upload_pages",
 ]

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from pdctl.staging import device as dev
+from pdctl.staging.kernels.launch import DirectLauncher
 
 BLOCK = 4096  # words per program
 
@@ -33,6 +34,9 @@ def _digest_kernel(words_ptr, partial_ptr, chunk_words, blocks, BLOCK: tl.conste
     tl.store(partial_ptr + chunk * blocks + block, tl.sum(weighted, axis=0))
 
 
+_DIGESTS = DirectLauncher(_digest_kernel, ("BLOCK",))
+
+
 def digest_sums(words: torch.Tensor) -> list[int]:
     """[n_chunks, n_words] integer words -> each chunk's weighted sum as an int64 value."""
     num_chunks, chunk_words = words.shape
@@ -40,9 +44,7 @@ def digest_sums(words: torch.Tensor) -> list[int]:
     partial = torch.empty(num_chunks, blocks, dtype=torch.int64, device=words.device)
     device = words.device
     with dev.device_context(device):  # Triton launches on the thread's current device
-        _digest_kernel[(num_chunks, blocks)](
-            words, partial, chunk_words, blocks, BLOCK=BLOCK, num_warps=8
-        )
+        _DIGESTS((num_chunks, blocks, 1), (words, partial), (chunk_words, blocks), (BLOCK,), 8)
     sums: list[int] = partial.sum(dim=1).tolist()
     return sums
 
@@ -85,7 +87,10 @@ def _page_digest_kernel(  # type: ignore[no-untyped-def]
     tl.store(partial_ptr + slot * blocks + tl.program_id(1), tl.sum(total, axis=0))
 
 
-def page_digest_sums(
+_PAGE_DIGESTS = DirectLauncher(_page_digest_kernel, ("NUM_COLS", "BLOCK_T", "BLOCK_C"))
+
+
+def launch_page_digest_sums(
     table: torch.Tensor,
     pages: torch.Tensor,
     segments: list[tuple[int, int]],
@@ -95,21 +100,32 @@ def page_digest_sums(
     row_words: int,
     col_start: int,
     num_cols: int,
-) -> list[list[int]]:
+) -> torch.Tensor:
     """Per segment (page_start, num_pages), each buffer's weighted sum over the int32
-    words of columns [col_start, +num_cols) of the segment's token rows."""
-    device = pages.device
+    words of columns [col_start, +num_cols) of the segment's token rows, as a
+    [segments * buffers] int64 tensor on the device, enqueued on the current stream.
+
+    Host page ids go up with the segment table in one copy (device ids are used as
+    they are); nothing here waits for the device.
+    """
+    device = table.device
     block_c = min(triton.next_power_of_2(num_cols), 1024)
     block_t = max(1, min(4096 // block_c, 256))
     longest = max(num_pages for _, num_pages in segments) * page_size
     blocks = triton.cdiv(longest, block_t)
     flat = [value for start, count in segments for value in (start, count * page_size)]
-    described = torch.tensor(flat, dtype=torch.int64).to(device)
-    partial = torch.zeros(len(segments) * num_buffers, blocks, dtype=torch.int64, device=device)
+    if pages.device.type == "cpu":  # one upload: [segments (start, tokens) ..., page ids ...]
+        host = torch.cat([torch.tensor(flat, dtype=torch.int64), pages.to(torch.int64)])
+        uploaded = host.to(device, non_blocking=True)
+        described, pages = uploaded[: len(flat)], uploaded[len(flat) :]
+    else:
+        described = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+    slots = len(segments) * num_buffers
+    partial = torch.empty(slots, blocks, dtype=torch.int64, device=device)  # every one written
+    ints = (num_buffers, page_size, row_words, col_start, blocks)
     with dev.device_context(device):  # Triton launches on the thread's current device
-        _page_digest_kernel[(len(segments) * num_buffers, blocks)](
-            table, pages, described, partial, num_buffers, page_size, row_words, col_start,
-            blocks, NUM_COLS=num_cols, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=8,
+        _PAGE_DIGESTS(
+            (slots, blocks, 1), (table, pages, described, partial), ints,
+            (num_cols, block_t, block_c), 8,
         )  # fmt: skip
-    sums: list[int] = partial.sum(dim=1).tolist()
-    return [sums[i * num_buffers : (i + 1) * num_buffers] for i in range(len(segments))]
+    return partial.sum(dim=1)

@@ -25,9 +25,11 @@ import triton.language as tl
 
 from pdctl.staging import device as dev
 from pdctl.staging.kernels.kvset import WORD_DTYPES
+from pdctl.staging.kernels.launch import DirectLauncher
 
 CHUNK_BYTES = 16 * 1024  # bytes per program at most
 MAX_CHUNKS = 65535  # the grid's second dimension
+MAX_RANGE_BYTES = MAX_CHUNKS * CHUNK_BYTES  # longer ranges are copied on their own
 
 
 @triton.jit(do_not_specialize=["num_ranges"])
@@ -42,6 +44,9 @@ def _copy_ranges_kernel(table_ptr, word_ptr, num_ranges, CHUNK: tl.constexpr):  
     mask = offsets < length
     values = tl.load(source + offsets, mask=mask, eviction_policy="evict_first")
     tl.store(target + offsets, values, mask=mask, cache_modifier=".cs")
+
+
+_LAUNCH = DirectLauncher(_copy_ranges_kernel, ("CHUNK",))
 
 
 def word_bytes(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> int:
@@ -82,6 +87,4 @@ def copy_ranges(
     on_device = torch.from_numpy(table).to(device)  # pageable: copied before returning
     warps = 8 if chunk * word >= 8192 else 4
     with dev.device_context(device):  # Triton launches on the thread's current device
-        _copy_ranges_kernel[grid](
-            on_device, _dummy(device, word), len(src), CHUNK=chunk, num_warps=warps
-        )
+        _LAUNCH((*grid, 1), (on_device, _dummy(device, word)), (len(src),), (chunk,), warps)

@@ -28,7 +28,7 @@ Design:
 - Host cost matters as much as the kernel for small transfers (a 112 MiB transfer
   takes about 60 us on an H200, a checked call about 70 us of host work): tile
   choices are cached per shape, and after the first call of a configuration the
-  compiled kernel is launched directly (`_Launcher`), skipping Triton's per-call
+  compiled kernel is launched directly (`launch.DirectLauncher`), skipping Triton's per-call
   argument binding. Launches happen on the tensors' device whatever the calling
   thread's current device (transfer threads start on device 0).
 
@@ -42,9 +42,7 @@ Tile, one step (BLOCK_B buffers x BLOCK_T tokens x BLOCK_C words):
 from __future__ import annotations
 
 import functools
-import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -53,6 +51,7 @@ import triton.language as tl
 from pdctl.staging import device as dev
 from pdctl.staging.descriptors import pointer_table
 from pdctl.staging.kernels.base import BufferCache, KernelBackend
+from pdctl.staging.kernels.launch import DirectLauncher, current_device
 
 # The best configuration measured on an H200 (16 KiB tiles, 8 warps, no walks:
 # benchmarks/staging_kernel_sweep.py, 2026-12-01); the sweep times the others against it.
@@ -63,6 +62,9 @@ WARPS = 0  # 0: by tile size (16 from 64 KiB, 8 from 16 KiB, else 4); n: always 
 DEFAULT_SMS = 132
 
 
+CONSTEXPRS = (
+    "NUM_COLS", "BLOCK_T", "BLOCK_C", "BLOCK_B", "VEC", "ALIGNED", "STREAMING", "TO_STAGING",
+)  # fmt: skip
 _INTS = ["num_tokens", "num_buffers", "num_steps", "page_size", "row_words", "col_start"]
 
 
@@ -175,75 +177,12 @@ def _table(buffers: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool, int]:
     return table, aligned, _num_sms(buffers[0].device)
 
 
-def _current_device() -> int:
-    """The calling thread's current device, as Triton's launcher reads it."""
-    return int(triton.runtime.driver.active.get_current_device())
-
-
-class _Launcher:
-    """Launches a compiled configuration directly after Triton compiled it once.
-
-    `kernel[grid](...)` re-binds and re-specialises every argument on every call
-    (tens of microseconds). The compiled kernel it returns is cached under
-    everything its specialisation depends on here: the constexprs and warps, the
-    staging dtype, the current device, the 16-byte alignment of the three pointers
-    and whether the integers fit 32 bits (they are not specialised otherwise).
-    Where a Triton version's compiled-kernel call differs, it raises TypeError
-    before launching, and this falls back to `kernel[grid]` for good.
-    """
-
-    NAMES = ("NUM_COLS", "BLOCK_T", "BLOCK_C", "BLOCK_B", "VEC", "ALIGNED", "STREAMING")
-
-    def __init__(self, kernel: Any, current_device: Callable[[], int] | None = None) -> None:
-        self._kernel = kernel
-        self._current_device = current_device or _current_device
-        self._compiled: dict[tuple[object, ...], Any] = {}
-        self.direct = os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter compiles nothing
-
-    def __call__(
-        self,
-        grid: tuple[int, int, int],
-        pointers: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        ints: tuple[int, ...],
-        constexprs: tuple[Any, ...],
-        warps: int,
-    ) -> None:
-        key = self._key(pointers, ints, constexprs, warps) if self.direct else None
-        compiled = self._compiled.get(key) if key is not None else None
-        if compiled is not None:
-            try:
-                compiled[grid](*pointers, *ints, *constexprs)
-                return
-            except TypeError:
-                self.direct = False
-        kwargs = dict(zip((*self.NAMES, "TO_STAGING"), constexprs, strict=True))
-        compiled = self._kernel[grid](*pointers, *ints, **kwargs, num_warps=warps)
-        if self.direct and key is not None and hasattr(compiled, "__getitem__"):
-            self._compiled[key] = compiled
-
-    def _key(
-        self,
-        pointers: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        ints: tuple[int, ...],
-        constexprs: tuple[Any, ...],
-        warps: int,
-    ) -> tuple[object, ...]:
-        return (
-            constexprs,
-            warps,
-            pointers[2].dtype,
-            self._current_device(),
-            *(pointer.data_ptr() % 16 == 0 for pointer in pointers),
-            min(ints) >= -(2**31) and max(ints) < 2**31,
-        )
-
-
 class TritonKernels(KernelBackend):
     name = "triton"
 
     def __init__(self) -> None:
         self._tables: BufferCache[tuple[torch.Tensor, bool, int]] = BufferCache(_table)
-        self._launch_kernel = _Launcher(_copy_rows_kernel)
+        self._launch_kernel = DirectLauncher(_copy_rows_kernel, CONSTEXPRS)
 
     def _launch(
         self,
@@ -268,7 +207,7 @@ class TritonKernels(KernelBackend):
         vec = _vec(row_words, col_start, num_cols, word)
         constexprs = (num_cols, block_t, block_c, block_b, vec, aligned, STREAMING, to_staging)
         device = staging.device
-        if device.type == "cpu" or device.index == _current_device():
+        if device.type == "cpu" or device.index == current_device():
             self._launch_kernel(grid, (table, pages, staging), ints, constexprs, warps)
             return
         with dev.device_context(device):  # Triton launches on the thread's current device

@@ -11,6 +11,10 @@ Ownership and reuse:
   delivered after every byte of their write is in the peer's memory; completion
   does not wait for the peer to read the notification.
 - Completion means the bytes are in the peer's memory (not merely sent).
+- A notification may be given as a function that makes its bytes: it is called
+  once, before the notification goes and no later than the bytes landing. The
+  builtin transport calls it after its same-host copy, so work the notification
+  needs (digests of the pages being written) runs beside the copy.
 
 Every wait is bounded by the configured timeouts: a dead, unreachable or stalled
 peer raises a `TransportError` naming the peer, never hangs. Nothing received from
@@ -25,7 +29,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -36,6 +40,8 @@ from pdctl.staging.descriptors import as_u64, tensor_ptr
 from pdctl.staging.transport.regions import MemoryRegion, RegionIndex, outside
 
 MAX_NOTIFICATION_BYTES = 64 * 1024
+# A notification's bytes, or a function that makes them once the write is under way.
+Notice = bytes | Callable[[], bytes] | None
 
 
 class TransportError(RuntimeError):
@@ -56,6 +62,14 @@ class RegistrationError(TransportError):
 
 class BadDescriptor(TransportError, ValueError):
     pass
+
+
+def notice_bytes(notify: Notice) -> bytes | None:
+    """The notification's bytes (calling the function given for them), size-checked."""
+    message = notify() if callable(notify) else notify
+    if message is not None and len(message) > MAX_NOTIFICATION_BYTES:
+        raise BadDescriptor(f"a notification is at most {MAX_NOTIFICATION_BYTES} bytes")
+    return message
 
 
 @dataclass(frozen=True)
@@ -289,11 +303,12 @@ class Transport(ABC):
         dst: Sequence[int] | np.ndarray,
         lengths: Sequence[int] | np.ndarray,
         *,
-        notify: bytes | None = None,
+        notify: Notice = None,
     ) -> TransferHandle:
         """Start a write; the handle reports completion (see the module docstring)."""
         try:
-            return self._write_async(peer, self._checked(peer, src, dst, lengths, notify), notify)
+            descriptors = self._checked(peer, src, dst, lengths, notify)
+            return self._write_async(peer, descriptors, notify)
         finally:
             self._tls.located = None  # the write runs on another thread: it looks again
 
@@ -304,11 +319,12 @@ class Transport(ABC):
         dst: Sequence[int] | np.ndarray,
         lengths: Sequence[int] | np.ndarray,
         *,
-        notify: bytes | None = None,
+        notify: Notice = None,
     ) -> None:
         """Write and return once complete, or raise within the transfer timeout."""
         try:
-            self._write_sync(peer, self._checked(peer, src, dst, lengths, notify), notify)
+            descriptors = self._checked(peer, src, dst, lengths, notify)
+            self._write_sync(peer, descriptors, notify)
         finally:
             self._tls.located = None  # the lookups served this call only
 
@@ -318,7 +334,7 @@ class Transport(ABC):
         src: Sequence[int] | np.ndarray,
         dst: Sequence[int] | np.ndarray,
         lengths: Sequence[int] | np.ndarray,
-        notify: bytes | None,
+        notify: Notice,
     ) -> Descriptors:
         if self._closed:
             raise TransportError(f"{self.config.name}: the transport is closed")
@@ -337,7 +353,7 @@ class Transport(ABC):
                 f"{self.config.name}: destination [{int(dst_a[bad]):#x}, +{int(len_a[bad])}) of "
                 f"descriptor {bad} is outside the memory {peer.label} registered"
             )
-        if notify is not None and len(notify) > MAX_NOTIFICATION_BYTES:
+        if isinstance(notify, bytes) and len(notify) > MAX_NOTIFICATION_BYTES:
             raise BadDescriptor(f"a notification is at most {MAX_NOTIFICATION_BYTES} bytes")
         self._tls.located = Located(src_a, dst_a, peer, mine, found_src, theirs, found_dst)
         return src_a, dst_a, len_a
@@ -355,7 +371,7 @@ class Transport(ABC):
             src, dst, peer, mine, mine.locate(src, lengths), theirs, theirs.locate(dst, lengths)
         )
 
-    def _write_sync(self, peer: Peer, descriptors: Descriptors, notify: bytes | None) -> None:
+    def _write_sync(self, peer: Peer, descriptors: Descriptors, notify: Notice) -> None:
         """Default: asynchronous write plus a bounded wait. Transports may do better."""
         handle = self._write_async(peer, descriptors, notify)
         try:
@@ -435,9 +451,9 @@ class Transport(ABC):
     def _connect(self, name: str, regions: list[MemoryRegion], info: dict[str, Any]) -> Peer: ...
 
     @abstractmethod
-    def _write_async(
-        self, peer: Peer, descriptors: Descriptors, notify: bytes | None
-    ) -> TransferHandle: ...
+    def _write_async(self, peer: Peer, descriptors: Descriptors, notify: Notice) -> TransferHandle:
+        """Start the checked write. A notification given as a function is made with
+        `notice_bytes` no later than the bytes land, before it goes."""
 
     @abstractmethod
     def _close(self) -> None: ...

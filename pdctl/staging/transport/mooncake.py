@@ -25,6 +25,7 @@ from pdctl.staging.descriptors import xpu_pointer_type
 from pdctl.staging.transport.base import (
     Descriptors,
     MemoryRegion,
+    Notice,
     Notification,
     Peer,
     PeerUnreachable,
@@ -33,6 +34,7 @@ from pdctl.staging.transport.base import (
     Transport,
     TransportConfig,
     TransportError,
+    notice_bytes,
 )
 from pdctl.staging.transport.pool import WritePool
 
@@ -161,10 +163,9 @@ class MooncakeTransport(Transport):
             )
         return Peer(name, session, regions, {"session": session})
 
-    def _write_async(
-        self, peer: Peer, descriptors: Descriptors, notify: bytes | None
-    ) -> TransferHandle:
-        return self.pool.submit(peer, lambda: self._write(peer, descriptors, notify))
+    def _write_async(self, peer: Peer, descriptors: Descriptors, notify: Notice) -> TransferHandle:
+        message = notice_bytes(notify)  # it rides the last batch
+        return self.pool.submit(peer, lambda: self._write(peer, descriptors, message))
 
     # Mooncake's TCP lanes have bounded queues: a batch of thousands of small ranges
     # (per-token writes when staging is off), or several batches at once from the

@@ -21,6 +21,7 @@ from typing import Any
 from pdctl.staging.transport.base import (
     Descriptors,
     MemoryRegion,
+    Notice,
     Notification,
     Peer,
     PeerUnreachable,
@@ -29,6 +30,7 @@ from pdctl.staging.transport.base import (
     Transport,
     TransportConfig,
     TransportError,
+    notice_bytes,
 )
 
 
@@ -166,9 +168,8 @@ class NixlTransport(Transport):
         self.peer_names[remote_name] = name
         return Peer(name, f"nixl:{remote_name}", regions, {"agent": remote_name})
 
-    def _write_async(
-        self, peer: Peer, descriptors: Descriptors, notify: bytes | None
-    ) -> TransferHandle:
+    def _write_async(self, peer: Peer, descriptors: Descriptors, notify: Notice) -> TransferHandle:
+        message = notice_bytes(notify)  # NIXL sends it with the transfer
         src, dst, lengths = (a.tolist() for a in descriptors)
         local_type = {self._region_of(p, n).device_type for p, n in zip(src, lengths, strict=True)}
         remote_type = {
@@ -197,7 +198,7 @@ class NixlTransport(Transport):
             )
         try:
             handle = self.agent.initialize_xfer(
-                "WRITE", local, remote, peer.state["agent"], notify or b""
+                "WRITE", local, remote, peer.state["agent"], message or b""
             )
             if handle is None:
                 raise TransportError("no transfer handle")

@@ -35,21 +35,24 @@ from pdctl.staging.transport import device_ipc, fastpath, wire
 from pdctl.staging.transport.base import (
     Descriptors,
     MemoryRegion,
+    Notice,
     Peer,
     PeerUnreachable,
     TransferHandle,
     Transport,
     TransportConfig,
     TransportError,
+    notice_bytes,
 )
 from pdctl.staging.transport.pool import WritePool
 from pdctl.staging.transport.tcp_server import Listener, RegionTable
 
 MAX_CONNECTIONS_PER_PEER = 8
-# Device writes: ranges this long get a copy each, shorter ones share one launch, and
-# a write of at most FEW_RANGES ranges copies each (a launch costs more than a few copies).
-LONG_RANGE_BYTES = 1 << 20
+# Device writes: a write of at most FEW_RANGES ranges copies each (a launch and its
+# table cost more than a few copies); more share one launch of the ranges kernel, but
+# for ranges longer than one launch takes (MAX_RANGE_BYTES), which get a copy each.
 FEW_RANGES = 4
+MAX_RANGE_BYTES = 65535 * 16 * 1024  # kernels.ranges.MAX_RANGE_BYTES (Triton not imported)
 
 
 def _used(found: np.ndarray) -> list[int]:
@@ -132,6 +135,7 @@ class Connection:
 
 class TcpTransport(Transport):
     name = "tcp"
+    LATE_NOTICE = True  # a same-host write makes its notification after the copy
 
     def __init__(self, config: TransportConfig) -> None:
         super().__init__(config)
@@ -268,28 +272,29 @@ class TcpTransport(Transport):
             self._pool_sizes[peer.address] = max(0, self._pool_sizes.get(peer.address, 1) - 1)
 
     # -- writes ------------------------------------------------------------------
-    def _write_async(
-        self, peer: Peer, descriptors: Descriptors, notify: bytes | None
-    ) -> TransferHandle:
+    def _write_async(self, peer: Peer, descriptors: Descriptors, notify: Notice) -> TransferHandle:
         return self.pool.submit(peer, lambda: self._write(peer, descriptors, notify))
 
-    def _write_sync(self, peer: Peer, descriptors: Descriptors, notify: bytes | None) -> None:
+    def _write_sync(self, peer: Peer, descriptors: Descriptors, notify: Notice) -> None:
         self._write(peer, descriptors, notify)  # inline: socket timeouts bound every wait
 
-    def _write(self, peer: Peer, descriptors: Descriptors, notify: bytes | None) -> None:
+    def _write(self, peer: Peer, descriptors: Descriptors, notify: Notice) -> None:
         route = self._route(peer, descriptors)
         if route is not None and peer.state.get("pidfd") is not None:
             # Same host: the copy itself completes the write (the bytes are in the peer's
             # memory when it returns). A notification follows on TCP, in order after the
-            # bytes, without waiting for an acknowledgement (as NIXL's do).
+            # bytes, without waiting for an acknowledgement (as NIXL's do); it is made
+            # after the copy, so what it needs was computed beside it.
             self._check_alive(peer)
             self._direct(peer, route, descriptors)
-            if notify is not None:
+            notice = notice_bytes(notify)
+            if notice is not None:
                 self._on_connection(
-                    peer, lambda c: wire.send_frame(c.sock, wire.NOTIFY, payload=notify)
+                    peer, lambda c: wire.send_frame(c.sock, wire.NOTIFY, payload=notice)
                 )
             return
-        self._on_connection(peer, lambda c: self._send(c, peer, route, descriptors, notify))
+        message = notice_bytes(notify)
+        self._on_connection(peer, lambda c: self._send(c, peer, route, descriptors, message))
 
     def _on_connection(self, peer: Peer, action: Callable[[Connection], None]) -> None:
         """`action` on a pooled connection to `peer`; a connection that failed is closed."""
@@ -374,14 +379,14 @@ class TcpTransport(Transport):
     def _device_write(
         self, peer: Peer, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray
     ) -> None:
-        """Device to device into the peer's mapped regions: long ranges one copy each,
-        the rest (pages) in one launch; synchronized before returning."""
+        """Device to device into the peer's mapped regions: a few ranges one copy each,
+        many (pages, runs of pages) in one launch; synchronized before returning."""
         mapped: dict[int, Any] = peer.state["device"]
         found = self.located(peer, src, dst, lengths)
         mine, theirs, sources, targets = found.mine, found.theirs, found.sources, found.targets
         device = self.tensors[mine.regions[int(sources[0])].ptr].device
         stream = self._copy_stream(device)
-        long = lengths >= np.uint64(LONG_RANGE_BYTES)
+        long = lengths > np.uint64(MAX_RANGE_BYTES)  # too long for one launch
         if len(lengths) <= FEW_RANGES:
             long[:] = True  # a launch and a table upload cost more than a few copies
         with dev.device_stream_context(stream):

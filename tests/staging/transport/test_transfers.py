@@ -53,6 +53,29 @@ def test_async_write_then_notification_after_the_bytes(writer, peer, source) -> 
     assert peer.sha256(0, 32 << 20) == sha(source[: 32 << 20])
 
 
+def test_a_notification_made_by_a_function_is_made_once_after_the_write_began(
+    writer, peer, source
+) -> None:
+    """The builtin transport makes it after its same-host copy; others before sending."""
+    connection = writer.connect(peer.description)
+    calls: list[int] = []
+
+    def made() -> bytes:
+        calls.append(1)
+        return b"made-%d" % len(calls)
+
+    peer.command(cmd="fill", value=0)
+    writer.write(connection, [source.ctypes.data], [peer.base], [1 << 20], notify=made)
+    assert calls == [1]
+    assert "peer" in peer.wait_notification(b"made-1", 5)
+    assert peer.sha256(0, 1 << 20) == sha(source[: 1 << 20])
+    too_long = b"x" * (64 * 1024 + 1)
+    with pytest.raises(BadDescriptor, match="at most"):
+        writer.write(connection, [source.ctypes.data], [peer.base], [16], notify=lambda: too_long)
+    writer.write(connection, [source.ctypes.data], [peer.base], [16], notify=made)  # still works
+    assert "peer" in peer.wait_notification(b"made-2", 5)
+
+
 def test_concurrent_writers_to_one_peer(writer, peer, source) -> None:
     connection = writer.connect(peer.description)
     errors: list[BaseException] = []
