@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pdctl.serve.model.runner import Piece
+from pdctl.serve.model.batch import Piece
 
 log = logging.getLogger("pdctl.serve")
 OP_FORWARD, OP_STOP = 1, 2

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pdctl.serve.engine.kv_pool import KVPool
-from pdctl.serve.model.runner import ModelRunner, Piece
+from pdctl.serve.model.batch import Piece
+from pdctl.serve.model.runner import ModelRunner
 from pdctl.serve.model.weights import build_rank_weights, checkpoint_config, checkpoint_source
 from tests.serve.checkpoints import reference_logits, write_checkpoint
 

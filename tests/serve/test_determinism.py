@@ -21,7 +21,8 @@ from pdctl.serve.engine.request import Request
 from pdctl.serve.engine.sampling import SamplingParams
 from pdctl.serve.engine.scheduler import Budget, Scheduler
 from pdctl.serve.model import ops
-from pdctl.serve.model.runner import ModelRunner, Piece
+from pdctl.serve.model.batch import Piece
+from pdctl.serve.model.runner import ModelRunner
 from pdctl.serve.model.weights import build_rank_weights, preset_config, preset_source
 from pdctl.serve.tokenizer import ByteTokenizer
 

@@ -27,7 +27,7 @@ from pdctl.serve.engine.request import Event, Phase, Request
 from pdctl.serve.engine.sampling import TokenChoice, choose, generator_for
 from pdctl.serve.engine.scheduler import Scheduler
 from pdctl.serve.faults import faults
-from pdctl.serve.model.runner import Piece
+from pdctl.serve.model.batch import Piece
 from pdctl.serve.tokenizer import Tokenizer
 
 log = logging.getLogger("pdctl.serve")

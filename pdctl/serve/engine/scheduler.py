@@ -20,7 +20,7 @@ import torch
 from pdctl.serve.engine.kv_pool import KVPool, ReqToToken
 from pdctl.serve.engine.radix import RadixCache
 from pdctl.serve.engine.request import Phase, Request
-from pdctl.serve.model.runner import Piece
+from pdctl.serve.model.batch import Piece
 
 
 @dataclass

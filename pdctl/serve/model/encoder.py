@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from pdctl.core import ENCODER_HEADS, encoder_tp_problem
-from pdctl.serve.model import ops
+from pdctl.serve.model import attention, ops
 from pdctl.serve.model.weights import preset_source, row_chunks
 
 PATCH = 4  # pixels per patch side
@@ -312,7 +312,8 @@ class EncoderModel:
                 for i in range(3)
             )
             # Non-causal: every query sits at the last position, so it sees every patch.
-            attn = ops.attention(q, k, v, everyone, self.head_dim**-0.5)  # [N, heads, dim]
+            scale = self.head_dim**-0.5
+            attn = attention.sequence_attention(q, k, v, everyone, scale)  # [N, heads, dim]
             attn = ops.pad_rows(attn.reshape(count, local))
             x = x + ops.row_parallel_matmul(attn, layer.out_chunks, self.gather)
             h = ops.rms_norm(x, layer.mlp_norm, RMS_EPS)

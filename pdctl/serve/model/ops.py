@@ -10,16 +10,17 @@ Why results could otherwise change with the batch (measured on this torch/MKL):
 - Vectorised transcendental functions treat the tail of a tensor in scalar code.
   Token counts are padded to TILE, so no real element ever lands in a tail.
 - Reductions whose length depends on the batch (attention over a growing number
-  of keys) are done in fixed blocks of KEY_BLOCK keys, combined by a sequential
-  cumulative sum: trailing zero blocks (keys a query may not see) add exact zeros.
+  of keys, `attention.py`) are done in fixed blocks of keys, combined in order:
+  trailing blocks (keys a query may not see) add exact zeros.
 - On accelerators (CUDA, XPU) the vendor libraries pick kernels by shape, some
   splitting the reduction, and a row reduction's strategy depends on how many rows
   there are (measured on an H200: cuBLAS rounds a prefix-hit's suffix-only prefill
   one bf16 step away from the full prompt's). In deterministic mode (the topology's
   `serving.deterministic`, on by default; the server's `--deterministic`) every
-  product, row sum and attention product goes through one fixed-configuration
-  Triton kernel (`triton_matmul.py`): each output element is reduced in the same fixed
-  order whatever the batch, chunking or TP split. `--no-deterministic` takes the
+  product and row sum goes through one fixed-configuration Triton kernel
+  (`triton_matmul.py`), and the decoder's attention through another
+  (`triton_attention.py`): each output element is reduced in the same fixed order
+  whatever the batch, chunking or TP split. `--no-deterministic` takes the
   vendor libraries (faster, not invariant) and, on cpu, torch's thread pool.
 - Tensor parallelism: a row-parallel product is split into REDUCTION_CHUNKS fixed
   column ranges whatever the TP size; each rank computes its chunks, the partials
@@ -37,7 +38,6 @@ from collections.abc import Callable
 import torch
 
 TILE = 16
-KEY_BLOCK = 64
 REDUCTION_CHUNKS = 8
 
 
@@ -62,21 +62,21 @@ def _triton_available(device_type: str) -> bool:
 
 def kernel_mode(device_type: str) -> str:
     """What this process's products run on, as the server reports it."""
-    if _invariant_kernels(device_type):
+    if invariant_kernels(device_type):
         return "triton fixed-order"
     if device_type == "cpu":
         return "torch fixed-order, one thread" if _mode["deterministic"] else "torch, threads"
     return "vendor libraries"
 
 
-def _invariant_kernels(device_type: str) -> bool:
+def invariant_kernels(device_type: str) -> bool:
     """Whether products on this device type go through the fixed-order Triton kernel."""
     return _mode["deterministic"] and _triton_available(device_type)
 
 
 def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for 2-D or batched 3-D operands, batch-invariant on every device."""
-    if _invariant_kernels(a.device.type):
+    if invariant_kernels(a.device.type):
         from pdctl.serve.model import triton_matmul
 
         return triton_matmul.matmul(a, b)
@@ -85,7 +85,7 @@ def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def row_sums(x: torch.Tensor) -> torch.Tensor:
     """x [..., L] -> [..., 1]; on accelerators a product with ones (fixed order)."""
-    if not _invariant_kernels(x.device.type):
+    if not invariant_kernels(x.device.type):
         return x.sum(dim=-1, keepdim=True)
     ones = torch.ones((x.shape[-1], TILE), dtype=x.dtype, device=x.device)
     sums = product(x.reshape(-1, x.shape[-1]), ones)[:, :1]
@@ -130,7 +130,7 @@ def row_parallel_matmul(
     rank order ([chunks, M, N]); None when there is one rank.
     """
     chunks, width, _ = weight_chunks.shape
-    if _invariant_kernels(x.device.type):
+    if invariant_kernels(x.device.type):
         # one launch for every chunk: the batched kernel reduces each exactly as alone
         rows = x.shape[0]
         padded = pad_rows(x).to(weight_chunks.dtype).reshape(-1, chunks, width)
@@ -149,7 +149,7 @@ def row_parallel_matmul(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H] (T padded) -> normalised, per row."""
-    if _invariant_kernels(x.device.type):
+    if invariant_kernels(x.device.type):
         variance = row_sums(x.pow(2)) / x.shape[-1]
     else:
         variance = x.pow(2).mean(dim=-1, keepdim=True)
@@ -175,53 +175,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     first, second = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat((first * c - second * s, second * c + first * s), dim=-1)
-
-
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Causal attention of one sequence, batch- and chunk-invariant.
-
-    q [n, Hq, D] at absolute positions `query_positions` [n]; k, v [Tk, Hkv, D] hold
-    keys 0..Tk-1 of the same sequence. Query i sees keys j <= query_positions[i].
-    Returns [n, Hq, D].
-    """
-    n, heads, dim = q.shape
-    keys, kv_heads, _ = k.shape
-    group = heads // kv_heads
-    n_pad = max(TILE, round_up(n, TILE))
-    k_pad = max(KEY_BLOCK, round_up(keys, KEY_BLOCK))
-    blocks = k_pad // KEY_BLOCK
-    q_h = q.new_zeros((heads, n_pad, dim))
-    q_h[:, :n] = q.transpose(0, 1)
-    k_h = k.new_zeros((kv_heads, k_pad, dim))
-    k_h[:, :keys] = k.transpose(0, 1)
-    v_h = v.new_zeros((kv_heads, k_pad, dim))
-    v_h[:, :keys] = v.transpose(0, 1)
-    if group > 1:  # grouped-query attention: each KV head serves `group` query heads
-        k_h = k_h.repeat_interleave(group, dim=0)
-        v_h = v_h.repeat_interleave(group, dim=0)
-    scores = product(q_h, k_h.transpose(1, 2)) * scale  # [heads, n_pad, k_pad]
-    visible = torch.zeros((n_pad, k_pad), dtype=torch.bool, device=q.device)
-    key_index = torch.arange(k_pad, device=q.device)
-    visible[:n] = key_index[None, :] <= query_positions[:, None]
-    visible[:, keys:] = False
-    scores = scores.masked_fill(~visible, float("-inf"))
-    peak = scores.amax(dim=-1, keepdim=True)  # exact, order-free
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    weights = torch.exp(scores - peak)  # masked keys -> exactly 0
-    block_weights = weights.view(heads, n_pad, blocks, KEY_BLOCK)
-    norm = row_sums(block_weights)[..., 0].cumsum(dim=-1)[..., -1:]  # [heads, n_pad, 1]
-    values = v_h.view(heads, blocks, KEY_BLOCK, dim)
-    partial = _block_values(block_weights, values)  # [heads, blocks, n_pad, dim]
-    out = partial.cumsum(dim=1)[:, -1]  # [heads, n_pad, dim], blocks summed in order
-    out = out / torch.where(norm > 0, norm, torch.ones_like(norm))
-    return out[:, :n].transpose(0, 1).contiguous()
-
-
-def _block_values(block_weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Per key block: weights [H, n, B, KB] @ values [H, B, KB, D] -> [H, B, n, D]."""
-    heads, n_pad, blocks, width = block_weights.shape
-    left = block_weights.permute(0, 2, 1, 3).reshape(heads * blocks, n_pad, width)
-    right = values.reshape(heads * blocks, width, values.shape[-1])
-    return product(left, right).view(heads, blocks, n_pad, values.shape[-1])

@@ -1,8 +1,10 @@
 """The Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over paged KV.
 
-`ModelRunner.forward` computes a batch of sequence pieces: each piece appends
-`tokens` at positions `start..start+n-1` of one sequence whose earlier tokens are
-already in the KV pool. Every primitive is batch-invariant (see `ops.py`), so a
+`ModelRunner.forward` computes a batch of sequence pieces (`batch.py`): each piece
+appends `tokens` at positions `start..start+n-1` of one sequence whose earlier tokens
+are already in the KV pool. The batch is laid out on the device once per forward;
+each layer writes the new tokens' K and V into the pool and attends over every piece
+at once (`attention.py`). Every primitive is batch-invariant (see `ops.py`), so a
 token's hidden states, and the logits of a sequence, do not depend on the other
 pieces in the batch, on how a prompt was chunked, or on a prefix-cache hit.
 
@@ -15,13 +17,13 @@ knows nothing about scheduling, pages or HTTP: it reads and writes the KV buffer
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from pdctl.serve.model import ops
-from pdctl.serve.model.weights import RankWeights
+from pdctl.serve.model import attention, ops
+from pdctl.serve.model.batch import ForwardBatch, Piece
+from pdctl.serve.model.weights import LayerWeights, RankWeights
 
 
 class KVBuffers(Protocol):
@@ -29,18 +31,6 @@ class KVBuffers(Protocol):
 
     k_buffers: list[torch.Tensor]  # per layer [pool_tokens, kv_heads, head_dim]
     v_buffers: list[torch.Tensor]  # per layer [pool_tokens, kv_heads, head_dim]
-
-
-@dataclass
-class Piece:
-    """New tokens of one sequence in a forward batch."""
-
-    tokens: torch.Tensor  # [n] int64
-    start: int  # position of tokens[0]
-    rows: torch.Tensor  # [start + n] pool rows of positions 0..start+n-1
-    want_logits: bool = True
-    # multimodal: (index into tokens, [m, hidden] rows) that replace token embeddings
-    embeds: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
 class ModelRunner:
@@ -68,79 +58,60 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, pieces: Sequence[Piece]) -> torch.Tensor | None:
         """Logits [pieces wanting them, vocab] in float32 (None on ranks that skip them)."""
-        tokens = torch.cat([p.tokens for p in pieces]).to(self.device)
-        positions = torch.cat(
-            [torch.arange(p.start, p.start + p.tokens.numel(), dtype=torch.int64) for p in pieces]
-        ).to(self.device)
-        new_rows = torch.cat([p.rows[p.start :] for p in pieces]).to(self.device)
-        total = tokens.numel()
-        x = ops.pad_rows(self.w.embed[tokens])  # [T padded, hidden]
+        batch = ForwardBatch.build(pieces, self.device)
+        x = self._embed(pieces, batch)  # [T padded, hidden]
+        cos = ops.pad_rows(self.cos[batch.positions])
+        sin = ops.pad_rows(self.sin[batch.positions])
+        for layer, lw in enumerate(self.w.layers):
+            x = x + self._attention_block(layer, lw, x, batch, cos, sin)
+            x = x + self._mlp_block(lw, x)
+        if not self.compute_logits or not batch.logit_rows.numel():
+            return None
+        last = ops.pad_rows(x[batch.logit_rows])
+        last = ops.rms_norm(last, self.w.final_norm, self.w.config.rms_eps)
+        wanted, vocab = batch.logit_rows.numel(), self.w.config.shape.vocab_size
+        return ops.matmul(last, self.w.lm_head_t)[:wanted, :vocab].float()
+
+    def _embed(self, pieces: Sequence[Piece], batch: ForwardBatch) -> torch.Tensor:
+        x = ops.pad_rows(self.w.embed[batch.tokens])  # [T padded, hidden]
         offset = 0
         for piece in pieces:  # multimodal positions take the encoder's embeddings
             for index, rows in piece.embeds:
                 at = offset + index
                 x[at : at + rows.shape[0]] = rows.to(device=x.device, dtype=x.dtype)
             offset += piece.tokens.numel()
-        cos = ops.pad_rows(self.cos[positions])
-        sin = ops.pad_rows(self.sin[positions])
-        for layer, lw in enumerate(self.w.layers):
-            h = ops.rms_norm(x, lw.input_norm, self.w.config.rms_eps)
-            qkv = ops.matmul(h, lw.qkv_t)
-            if lw.qkv_bias is not None:
-                qkv = qkv[:, : lw.qkv_bias.numel()] + lw.qkv_bias
-            q = qkv[:, : self.q_width].view(-1, self.w.q_heads, self.head_dim)
-            k = qkv[:, self.q_width : self.q_width + self.kv_width].view(
-                -1, self.w.kv_heads, self.head_dim
-            )
-            v = qkv[:, self.q_width + self.kv_width : self.q_width + 2 * self.kv_width]
-            q = ops.apply_rope(q, cos, sin)
-            k = ops.apply_rope(k, cos, sin)
-            k_buffer, v_buffer = self.kv.k_buffers[layer], self.kv.v_buffers[layer]
-            k_buffer[new_rows] = k[:total].to(k_buffer.dtype)
-            v_buffer[new_rows] = (
-                v[:total].view(-1, self.w.kv_heads, self.head_dim).to(v_buffer.dtype)
-            )
-            attn = self._attention(pieces, q, positions, k_buffer, v_buffer)
-            x = x + ops.row_parallel_matmul(attn, lw.o_chunks, self.gather)
-            h = ops.rms_norm(x, lw.post_norm, self.w.config.rms_eps)
-            gate_up = ops.matmul(h, lw.gate_up_t)
-            inter = gate_up.shape[1] // 2
-            act = ops.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
-            x = x + ops.row_parallel_matmul(act, lw.down_chunks, self.gather)
-        if not self.compute_logits:
-            return None
-        ends, offset = [], 0
-        for piece in pieces:
-            offset += piece.tokens.numel()
-            if piece.want_logits:
-                ends.append(offset - 1)
-        if not ends:
-            return None
-        last = ops.pad_rows(x[torch.tensor(ends, device=self.device)])
-        last = ops.rms_norm(last, self.w.final_norm, self.w.config.rms_eps)
-        logits = ops.matmul(last, self.w.lm_head_t)[: len(ends), : self.w.config.shape.vocab_size]
-        return logits.float()
+        return x
 
-    def _attention(
+    def _attention_block(
         self,
-        pieces: Sequence[Piece],
-        q: torch.Tensor,
-        positions: torch.Tensor,
-        k_buffer: torch.Tensor,
-        v_buffer: torch.Tensor,
+        layer: int,
+        lw: LayerWeights,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
     ) -> torch.Tensor:
-        out = q.new_zeros((q.shape[0], self.q_width))  # [T padded, q heads * dim]
-        offset = 0
-        for piece in pieces:
-            n = piece.tokens.numel()
-            rows = piece.rows.to(self.device)
-            result = ops.attention(
-                q[offset : offset + n],
-                k_buffer[rows].to(q.dtype),
-                v_buffer[rows].to(q.dtype),
-                positions[offset : offset + n],
-                self.scale,
-            )
-            out[offset : offset + n] = result.reshape(n, -1)
-            offset += n
-        return out
+        """The attention sublayer's residual update [T padded, hidden]."""
+        h = ops.rms_norm(x, lw.input_norm, self.w.config.rms_eps)
+        qkv = ops.matmul(h, lw.qkv_t)
+        if lw.qkv_bias is not None:
+            qkv = qkv[:, : lw.qkv_bias.numel()] + lw.qkv_bias
+        q_end, k_end = self.q_width, self.q_width + self.kv_width
+        heads = (self.w.q_heads, self.w.kv_heads, self.head_dim)
+        q = ops.apply_rope(qkv[:, :q_end].view(-1, heads[0], heads[2]), cos, sin)
+        k = ops.apply_rope(qkv[:, q_end:k_end].view(-1, heads[1], heads[2]), cos, sin)
+        v = qkv[:, k_end : k_end + self.kv_width].view(-1, heads[1], heads[2])
+        k_buffer, v_buffer = self.kv.k_buffers[layer], self.kv.v_buffers[layer]
+        total = batch.num_tokens
+        k_buffer[batch.new_rows] = k[:total].to(k_buffer.dtype)
+        v_buffer[batch.new_rows] = v[:total].to(v_buffer.dtype)
+        attn = attention.paged_attention(q, k_buffer, v_buffer, batch.keys, self.scale)
+        return ops.row_parallel_matmul(attn.view(-1, self.q_width), lw.o_chunks, self.gather)
+
+    def _mlp_block(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """The MLP sublayer's residual update [T padded, hidden]."""
+        h = ops.rms_norm(x, lw.post_norm, self.w.config.rms_eps)
+        gate_up = ops.matmul(h, lw.gate_up_t)
+        inter = gate_up.shape[1] // 2
+        act = ops.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
+        return ops.row_parallel_matmul(act, lw.down_chunks, self.gather)

@@ -1,0 +1,191 @@
+"""Attention, batch- and chunk-invariant: the decoder's over paged KV, the encoder's dense.
+
+`paged_attention` computes causal grouped-query attention for every piece of a batch
+at once, reading K and V straight from the pool's per-layer buffers through the
+batch's `KeyTable` (no per-piece loop, no copy of a piece's keys first). On CUDA and
+XPU in deterministic mode it is one launch of the Triton kernel
+(`triton_attention.py`); elsewhere `paged_attention_reference`, the torch path with
+the same signature. Both reduce in a fixed order that depends only on a query's
+absolute position:
+
+- keys in blocks of KEY_BLOCK absolute positions, block 0 first; a block a query may
+  not see adds exact zeros, so the sums do not depend on how many keys the batch
+  has, on chunking or on where the keys came from (a prefix-cache hit);
+- queries in tiles of QUERY_BLOCK absolute positions (`batch.py`), so a query always
+  takes the same row of every product.
+
+The torch path takes the softmax maximum over all visible keys (exact in any order)
+and sums blocks with a sequential cumulative sum; the kernel keeps an online maximum,
+so the two agree to rounding, not bitwise. `sequence_attention` is the dense
+attention of one sequence (the image encoder's). Knows nothing about pages or
+requests: only rows of the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdctl.serve.model import ops
+from pdctl.serve.model.batch import QUERY_BLOCK, KeyTable
+
+KEY_BLOCK = 64
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    keys: KeyTable,
+    scale: float,
+) -> torch.Tensor:
+    """q [rows, Hq, D] (rows >= keys.num_queries) over one layer's K/V [pool, Hkv, D].
+
+    Returns [rows, Hq, D]: row i is query i's attention output; rows past the batch's
+    queries are zeros.
+    """
+    if ops.invariant_kernels(q.device.type):
+        from pdctl.serve.model import triton_attention
+
+        return triton_attention.paged_attention(q, k_buffer, v_buffer, keys, scale)
+    return paged_attention_reference(q, k_buffer, v_buffer, keys, scale)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    keys: KeyTable,
+    scale: float,
+) -> torch.Tensor:
+    """The torch path of `paged_attention` (same signature), batched over query tiles.
+
+    Every product has one shape whatever the batch (a tile's G*QUERY_BLOCK query rows
+    against one KEY_BLOCK of keys); only the number of products changes.
+    """
+    rows, heads, dim = q.shape
+    kv_heads = k_buffer.shape[1]
+    group = heads // kv_heads
+    tiles = keys.num_tiles
+    blocks = max(1, ops.round_up(keys.max_keys, KEY_BLOCK) // KEY_BLOCK)
+    query_index, query_ok, positions = _tile_queries(keys)  # [tiles, QB] each
+    tile_q = torch.where(query_ok[:, :, None, None], q[query_index], 0)  # [tiles, QB, Hq, D]
+    tile_q = tile_q.view(tiles, QUERY_BLOCK, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    tile_q = tile_q.reshape(tiles * kv_heads, 1, group * QUERY_BLOCK, dim)
+    k, v, key_ok = _tile_keys(k_buffer, v_buffer, keys, blocks, q.dtype)
+    # k, v [tiles * Hkv, blocks, KEY_BLOCK, D]
+    rows_per_tile = group * QUERY_BLOCK
+    tile_q = tile_q.expand(-1, blocks, -1, -1).reshape(-1, rows_per_tile, dim)
+    scores = ops.product(tile_q, k.reshape(-1, KEY_BLOCK, dim).transpose(1, 2)) * scale
+    scores = scores.view(tiles, kv_heads, blocks, group, QUERY_BLOCK, KEY_BLOCK)
+    key_positions = torch.arange(blocks * KEY_BLOCK, device=q.device).view(blocks, KEY_BLOCK)
+    visible = (key_positions[None, :, None, :] <= positions[:, None, :, None]) & (
+        query_ok[:, None, :, None] & key_ok[:, :, None, :]
+    )  # [tiles, blocks, QB, KEY_BLOCK]
+    scores = scores.masked_fill(~visible[:, None, :, None], float("-inf"))
+    out = _combine_blocks(scores.view(tiles * kv_heads, blocks, rows_per_tile, KEY_BLOCK), v)
+    out = out.view(tiles, kv_heads, group, QUERY_BLOCK, dim).permute(0, 3, 1, 2, 4)
+    result = q.new_zeros((rows + 1, heads, dim))  # [rows + 1, Hq, D]: masked tile rows land last
+    target = torch.where(query_ok, query_index, rows).reshape(-1)
+    result.index_copy_(0, target, out.reshape(-1, heads, dim))
+    return result[:rows]
+
+
+def _tile_queries(keys: KeyTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per tile row: index of its query in q (0 when masked), whether real, position."""
+    pieces = keys.tile_pieces
+    offsets = torch.arange(QUERY_BLOCK, device=pieces.device)
+    positions = keys.tile_positions[:, None] + offsets  # [tiles, QB]
+    starts = keys.starts[pieces][:, None]
+    real = (positions >= starts) & (positions < keys.lengths[pieces][:, None])
+    index = torch.where(real, keys.query_offsets[pieces][:, None] + positions - starts, 0)
+    return index, real, positions
+
+
+def _tile_keys(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    keys: KeyTable,
+    blocks: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each tile's keys 0..blocks*KEY_BLOCK-1 from the pool: K and V, and which are real."""
+    tiles, kv_heads, dim = keys.num_tiles, k_buffer.shape[1], k_buffer.shape[2]
+    pieces = keys.tile_pieces
+    key_positions = torch.arange(blocks * KEY_BLOCK, device=pieces.device)
+    real = key_positions[None, :] < keys.lengths[pieces][:, None]  # [tiles, blocks * KB]
+    at = torch.where(real, keys.key_offsets[pieces][:, None] + key_positions, 0)
+    pool_rows = keys.rows[at]  # [tiles, blocks * KB]
+
+    def gather(buffer: torch.Tensor) -> torch.Tensor:
+        values = torch.where(real[:, :, None, None], buffer[pool_rows].to(dtype), 0)
+        values = values.view(tiles, blocks, KEY_BLOCK, kv_heads, dim).permute(0, 3, 1, 2, 4)
+        return values.reshape(tiles * kv_heads, blocks, KEY_BLOCK, dim)
+
+    return gather(k_buffer), gather(v_buffer), real.view(tiles, blocks, KEY_BLOCK)
+
+
+def _combine_blocks(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Softmax-weighted values from per-block scores, blocks summed in order.
+
+    scores [B, blocks, M, KB] (masked: -inf), values [B, blocks, KB, D] -> [B, M, D].
+    """
+    batch, blocks, rows, width = scores.shape
+    peak = scores.amax(dim=(1, 3), keepdim=True)  # exact, order-free
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    weights = torch.exp(scores - peak)  # masked keys -> exactly 0
+    norm = ops.row_sums(weights)[..., 0].cumsum(dim=1)[:, -1, :, None]  # [B, M, 1]
+    partial = ops.product(
+        weights.reshape(batch * blocks, rows, width), values.reshape(batch * blocks, width, -1)
+    ).view(batch, blocks, rows, -1)
+    out = partial.cumsum(dim=1)[:, -1]  # [B, M, D], blocks summed in order
+    return out / torch.where(norm > 0, norm, torch.ones_like(norm))
+
+
+def sequence_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of one sequence (dense K and V), batch- and chunk-invariant.
+
+    q [n, Hq, D] at absolute positions `query_positions` [n]; k, v [Tk, Hkv, D] hold
+    keys 0..Tk-1 of the same sequence. Query i sees keys j <= query_positions[i].
+    Returns [n, Hq, D].
+    """
+    n, heads, dim = q.shape
+    keys, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    n_pad = max(ops.TILE, ops.round_up(n, ops.TILE))
+    k_pad = max(KEY_BLOCK, ops.round_up(keys, KEY_BLOCK))
+    blocks = k_pad // KEY_BLOCK
+    q_h = q.new_zeros((heads, n_pad, dim))
+    q_h[:, :n] = q.transpose(0, 1)
+    k_h = k.new_zeros((kv_heads, k_pad, dim))
+    k_h[:, :keys] = k.transpose(0, 1)
+    v_h = v.new_zeros((kv_heads, k_pad, dim))
+    v_h[:, :keys] = v.transpose(0, 1)
+    if group > 1:  # grouped-query attention: each KV head serves `group` query heads
+        k_h = k_h.repeat_interleave(group, dim=0)
+        v_h = v_h.repeat_interleave(group, dim=0)
+    scores = ops.product(q_h, k_h.transpose(1, 2)) * scale  # [heads, n_pad, k_pad]
+    visible = torch.zeros((n_pad, k_pad), dtype=torch.bool, device=q.device)
+    key_index = torch.arange(k_pad, device=q.device)
+    visible[:n] = key_index[None, :] <= query_positions[:, None]
+    visible[:, keys:] = False
+    scores = scores.masked_fill(~visible, float("-inf"))
+    peak = scores.amax(dim=-1, keepdim=True)  # exact, order-free
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    weights = torch.exp(scores - peak)  # masked keys -> exactly 0
+    block_weights = weights.view(heads, n_pad, blocks, KEY_BLOCK)
+    norm = ops.row_sums(block_weights)[..., 0].cumsum(dim=-1)[..., -1:]  # [heads, n_pad, 1]
+    values = v_h.view(heads, blocks, KEY_BLOCK, dim)
+    partial = _block_values(block_weights, values)  # [heads, blocks, n_pad, dim]
+    out = partial.cumsum(dim=1)[:, -1]  # [heads, n_pad, dim], blocks summed in order
+    out = out / torch.where(norm > 0, norm, torch.ones_like(norm))
+    return out[:, :n].transpose(0, 1).contiguous()
+
+
+def _block_values(block_weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per key block: weights [H, n, B, KB] @ values [H, B, KB, D] -> [H, B, n, D]."""
+    heads, n_pad, blocks, width = block_weights.shape
+    left = block_weights.permute(0, 2, 1, 3).reshape(heads * blocks, n_pad, width)
+    right = values.reshape(heads * blocks, width, values.shape[-1])
+    return ops.product(left, right).view(heads, blocks, n_pad, values.shape[-1])
