@@ -239,7 +239,7 @@ def test_deterministic_accelerators_take_the_kernel(monkeypatch) -> None:
     q = ops.pad_rows(seq.q)
     attention.paged_attention(q, pool.k, pool.v, keys, 1.0)
     assert calls == []  # the CPU takes the torch path
-    monkeypatch.setattr(ops, "invariant_kernels", lambda device_type: True)
+    monkeypatch.setattr(ops, "triton_available", lambda device_type: True)
     attention.paged_attention(q, pool.k, pool.v, keys, 1.0)
     assert len(calls) == 1
 

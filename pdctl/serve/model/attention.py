@@ -3,9 +3,9 @@
 `paged_attention` computes causal grouped-query attention for every piece of a batch
 at once, reading K and V straight from the pool's per-layer buffers through the
 batch's `KeyTable` (no per-piece loop, no copy of a piece's keys first). On CUDA and
-XPU in deterministic mode it is one launch of the Triton kernel
-(`triton_attention.py`); elsewhere `paged_attention_reference`, the torch path with
-the same signature. Both reduce in a fixed order that depends only on a query's
+XPU it is one launch of the Triton kernel (`triton_attention.py`) in both serving
+modes (it is fixed-order and the fast path); elsewhere `paged_attention_reference`,
+the torch path with the same signature. Both reduce in a fixed order that depends only on a query's
 absolute position:
 
 - keys in blocks of KEY_BLOCK absolute positions, block 0 first; a block a query may
@@ -43,7 +43,7 @@ def paged_attention(
     Returns [rows, Hq, D]: row i is query i's attention output; rows past the batch's
     queries are zeros.
     """
-    if ops.invariant_kernels(q.device.type):
+    if ops.triton_available(q.device.type):  # fixed-order and fast: both serving modes
         from pdctl.serve.model import triton_attention
 
         return triton_attention.paged_attention(q, k_buffer, v_buffer, keys, scale)

@@ -50,7 +50,8 @@ def set_deterministic(enabled: bool) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _triton_available(device_type: str) -> bool:
+def triton_available(device_type: str) -> bool:
+    """Whether Triton kernels run on this device type (CUDA, XPU) in this process."""
     if device_type not in ("cuda", "xpu"):
         return False
     try:
@@ -71,7 +72,7 @@ def kernel_mode(device_type: str) -> str:
 
 def invariant_kernels(device_type: str) -> bool:
     """Whether products on this device type go through the fixed-order Triton kernel."""
-    return _mode["deterministic"] and _triton_available(device_type)
+    return _mode["deterministic"] and triton_available(device_type)
 
 
 def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

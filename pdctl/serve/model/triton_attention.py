@@ -16,6 +16,11 @@ position and its keys: not on the batch, the chunking, a prefix-cache hit or the
 other rows of its tile. One configuration for every batch: tile sizes are constants
 and the rest depends only on the model (head dim, group).
 
+Both products take their inputs in the KV cache's dtype (q and the weights p are
+rounded to it; bf16 on GPUs, so they run on tensor cores) and accumulate in float32;
+a float32 cache multiplies in IEEE float32. Measured on an H200 with float32
+products on the CUDA cores, a decode step of the small preset spent 28 ms here.
+
 The torch reference with the same signature is `attention.paged_attention_reference`
 (the same fixed blocks, a global maximum instead of the online one: equal to rounding).
 """
@@ -78,7 +83,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     dims = tl.arange(0, BLOCK_D)
     dims_ok = dims < HEAD_DIM
     q_at = q_ptr + tokens[:, None] * q_token + heads[:, None] * q_head + dims[None, :]
-    q = tl.load(q_at, mask=real[:, None] & dims_ok[None, :], other=0.0)
+    dot_type = k_ptr.dtype.element_ty  # products in the cache's dtype, sums in float32
+    q = tl.load(q_at, mask=real[:, None] & dims_ok[None, :], other=0.0).to(dot_type)
     peak = tl.full((GROUP_PAD * QUERY_BLOCK,), float("-inf"), tl.float32)
     norm = tl.zeros((GROUP_PAD * QUERY_BLOCK,), tl.float32)
     acc = tl.zeros((GROUP_PAD * QUERY_BLOCK, BLOCK_D), tl.float32)
@@ -89,7 +95,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         pool_rows = tl.load(rows_ptr + key_offset + keys, mask=keys_ok, other=0)
         kv_mask = keys_ok[:, None] & dims_ok[None, :]
         k_at = k_ptr + pool_rows[:, None] * k_token + kv_head * k_head + dims[None, :]
-        k = tl.load(k_at, mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(k_at, mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         visible = (keys[None, :] <= positions[:, None]) & real[:, None]
         scores = tl.where(visible, scores, float("-inf"))
@@ -99,9 +105,9 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         weights = tl.where(visible, tl.exp(scores - safe_peak[:, None]), 0.0)
         norm = norm * alpha + tl.sum(weights, axis=1)
         v_at = v_ptr + pool_rows[:, None] * v_token + kv_head * v_head + dims[None, :]
-        v = tl.load(v_at, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_at, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None]
-        acc += tl.dot(weights.to(q.dtype), v, input_precision=PRECISION)
+        acc += tl.dot(weights.to(dot_type), v, input_precision=PRECISION)
         peak = new_peak
     out = acc / tl.where(norm > 0, norm, 1.0)[:, None]
     out_at = out_ptr + tokens[:, None] * out_token + heads[:, None] * out_head + dims[None, :]
@@ -133,7 +139,7 @@ def paged_attention(
             v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=dim,
             BLOCK_D=max(16, triton.next_power_of_2(dim)), QUERY_BLOCK=QUERY_BLOCK,
-            KEY_BLOCK=KEY_BLOCK, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            KEY_BLOCK=KEY_BLOCK, PRECISION="ieee" if k_buffer.dtype == torch.float32 else "tf32",
             num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )  # fmt: skip
     return out
