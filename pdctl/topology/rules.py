@@ -30,9 +30,10 @@ Rule = Callable[[Topology, RuleContext], Iterable[Issue]]
 
 
 def model_path(topology: Topology, context: RuleContext) -> Path | None:
+    """model.path as this machine reads it: `~` expanded, relative to the topology file."""
     if topology.model.path is None:
         return None
-    return (context.base_dir / topology.model.path).expanduser()
+    return context.base_dir / Path(topology.model.path).expanduser()
 
 
 def model_shape(topology: Topology, context: RuleContext) -> tuple[ModelShape | None, str]:

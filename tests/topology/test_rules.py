@@ -75,6 +75,35 @@ def test_checkpoint_shape_is_read_from_config_json(make_topology, tmp_path: Path
     assert any("KV heads" in m or "attention heads" in m for m in messages(bad))
 
 
+def test_a_relative_checkpoint_reaches_the_servers_from_any_folder(
+    make_topology, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model.path is relative to the topology file; servers get it absolute."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    config = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100}  # fmt: skip
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    path = make_topology(model={"path": "ckpt", "preset": REMOVE})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    loaded = load_checked(Path("..") / path.name)
+    assert loaded.topology.model.path == str(checkpoint.resolve())
+    commands = [render_command(p.command) for p in make_plan(loaded).processes]
+    given = [c[c.index("--model-path") + 1] for c in commands if "--model-path" in c]
+    assert given and set(given) == {str(checkpoint.resolve())}
+
+
+def test_a_hub_id_stays_as_written_for_sglang(make_topology) -> None:
+    path = make_topology(
+        engine="sglang",
+        model={"path": "Qwen/Qwen3-0.6B", "preset": REMOVE},
+        transfer={"backend": "mooncake"},
+    )
+    assert load_checked(path).topology.model.path == "Qwen/Qwen3-0.6B"
+
+
 def test_missing_checkpoint_is_a_warning_not_an_error(make_topology) -> None:
     loaded = load_checked(make_topology(model={"path": "/nonexistent/ckpt", "preset": REMOVE}))
     assert [w.key for w in loaded.warnings] == ["model.path"]
