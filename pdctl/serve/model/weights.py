@@ -163,7 +163,9 @@ def build_rank_weights(
         tensor = source(name, dims)
         if tuple(tensor.shape) != dims:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {dims}")
-        return tensor.to(torch.float32)
+        # assembled (sliced, padded, transposed) where it will live: on a GPU host a
+        # 0.9 B-parameter model took seconds of single-threaded CPU copies per server
+        return tensor.to(device=device, dtype=torch.float32)
 
     def place(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device=device, dtype=dtype).contiguous()
@@ -212,23 +214,34 @@ def build_rank_weights(
     )
 
 
-def preset_source(seed: int) -> Source:
-    """Deterministic weights: each tensor from its own generator seeded by (seed, name)."""
+def preset_source(seed: int, device: torch.device | None = None) -> Source:
+    """Deterministic weights: each tensor from its own generator seeded by (seed, name).
+
+    Drawn on `device` (default the CPU) by that device type's generator: every process
+    and rank on one device type draws the same values (TP ranks slice the same full
+    tensors), and an accelerator draws them in milliseconds where the CPU took seconds
+    for the small preset. A CPU and a CUDA server of one preset hold different weights.
+    """
+    where = device or torch.device("cpu")
 
     def source(name: str, dims: tuple[int, ...]) -> torch.Tensor:
         digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-        generator = torch.Generator().manual_seed(
+        generator = torch.Generator(device=where).manual_seed(
             int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
         )
+
+        def normal() -> torch.Tensor:
+            return torch.randn(dims, generator=generator, device=where)
+
         if name.endswith("norm.weight"):
-            return 1.0 + 0.1 * torch.randn(dims, generator=generator)
+            return 1.0 + 0.1 * normal()
         if name.endswith(".bias"):
-            return 0.02 * torch.randn(dims, generator=generator)
+            return 0.02 * normal()
         if "embed_tokens" in name:
-            return torch.randn(dims, generator=generator)
+            return normal()
         fan_in = dims[-1]
         scale = (4.0 if name == "lm_head.weight" else 1.0) / fan_in**0.5
-        return scale * torch.randn(dims, generator=generator)
+        return scale * normal()
 
     return source
 
