@@ -1,6 +1,7 @@
 """Where the embedded engine's forward time goes (a GPU probe for issue 20's targets).
 
     python benchmarks/engine_profile.py [--device cuda] [--preset small] [--mode deterministic]
+                                        [--graphs] [--profile]
 
 The model alone (no scheduler, no HTTP), random weights of the preset: a prefill of
 `--prompt` tokens in one piece, and decode steps of batch 1 and 32 at a context of
@@ -8,6 +9,10 @@ The model alone (no scheduler, no HTTP), random weights of the preset: a prefill
 the host's share is shown by the same forward with the device queued behind a
 sleeping kernel (the host's enqueue time alone). A torch profile of each lists the
 kernels by device time. The weight-read bound is the weights' bytes at `--hbm-tbps`.
+
+`--graphs` adds the decode steps replayed as CUDA graphs (`model/graphs.py`, as a
+server runs them: "decode batch N (graph)"), and says whether each replay's logits
+are bitwise the eager forward's (fresh KV pools, the same pieces).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.model import ops
 from pdctl.serve.model.batch import Piece
+from pdctl.serve.model.graphs import DecodeGraphs
 from pdctl.serve.model.runner import ModelRunner
 from pdctl.serve.model.weights import build_rank_weights, preset_config, preset_source
 
@@ -52,6 +58,27 @@ def host_ms(device: torch.device, function: Callable[[], object]) -> float:
     return elapsed * 1e3
 
 
+def decode_pieces(batch: int, context: int, vocab: int) -> list[Piece]:
+    """`batch` one-token pieces at position `context`, in disjoint pool rows from 64 on."""
+    pieces = []
+    for b in range(batch):
+        base = 64 + b * (context + 16)
+        rows = torch.arange(base, base + context + 1)
+        pieces.append(Piece(torch.tensor([b % vocab]), context, rows))
+    return pieces
+
+
+def graphs_match(graphs: DecodeGraphs, eager: ModelRunner, pieces: list[Piece]) -> bool:
+    """Whether a replay's logits are bitwise the eager forward's, from equal KV pools."""
+    mine, theirs = graphs.runner.kv, eager.kv
+    for graph_layer, eager_layer in zip(mine.k_buffers, theirs.k_buffers, strict=True):
+        graph_layer.copy_(eager_layer)
+    for graph_layer, eager_layer in zip(mine.v_buffers, theirs.v_buffers, strict=True):
+        graph_layer.copy_(eager_layer)
+    want, got = eager.forward(pieces), graphs.forward(pieces)
+    return want is not None and got is not None and torch.equal(want, got)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda")
@@ -60,6 +87,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--hbm-tbps", type=float, default=4.8)
+    parser.add_argument("--graphs", action="store_true", help="also time CUDA-graph decode")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     ops.set_deterministic(args.mode == "deterministic")
@@ -67,14 +95,15 @@ def main() -> None:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     config = preset_config(args.preset)
     weights = build_rank_weights(config, preset_source(0), 1, 0, dtype, device)
-    page = 16
     pool_tokens = max(4096, 40 * (args.context + 16), args.prompt + 64)
-    pool_tokens -= pool_tokens % page
-    kv = KVPool(
-        config.shape.num_layers, pool_tokens, weights.kv_heads, config.shape.head_dim, page,
-        dtype, device,
-    )  # fmt: skip
-    runner = ModelRunner(weights, kv, device)
+    pool_tokens -= pool_tokens % 16
+
+    def make_pool() -> KVPool:
+        shape = config.shape
+        return KVPool(shape.num_layers, pool_tokens, weights.kv_heads, shape.head_dim, 16,
+                      dtype, device)  # fmt: skip
+
+    eager = ModelRunner(weights, make_pool(), device)
     tensors = [weights.embed, weights.lm_head_t]
     for layer in weights.layers:
         tensors += [w for w in vars(layer).values() if isinstance(w, torch.Tensor)]
@@ -84,30 +113,50 @@ def main() -> None:
 
     def prefill() -> object:
         tokens = torch.randint(0, vocab, (args.prompt,))
-        return runner.forward([Piece(tokens, 0, torch.arange(args.prompt))])
+        return eager.forward([Piece(tokens, 0, torch.arange(args.prompt))])
 
-    def decode(batch: int) -> Callable[[], object]:
-        pieces = []
-        for b in range(batch):
-            base = 64 + b * (args.context + 16)
-            rows = torch.arange(base, base + args.context + 1)
-            pieces.append(Piece(torch.tensor([b % vocab]), args.context, rows))
-        return lambda: runner.forward(pieces)
-
-    cases = {
-        f"prefill {args.prompt} tokens": prefill,
-        "decode batch 1": decode(1),
-        "decode batch 32": decode(32),
-    }
+    cases: dict[str, Callable[[], object]] = {f"prefill {args.prompt} tokens": prefill}
+    for batch in (1, 32):
+        pieces = decode_pieces(batch, args.context, vocab)
+        cases[f"decode batch {batch}"] = lambda pieces=pieces: eager.forward(pieces)
+    graphs = None
+    if args.graphs:
+        pool = make_pool()
+        capacity = min(config.shape.max_position, pool_tokens)  # as a server's (runtime.py)
+        graphs = DecodeGraphs.for_runner(
+            ModelRunner(weights, pool, device), capacity=capacity, scratch_row=pool.scratch_row,
+            max_batch=32, enabled=True,
+        )  # fmt: skip
+        graph_forward = graphs.forward
+        for batch in (1, 32):
+            pieces = decode_pieces(batch, args.context, vocab)
+            cases[f"decode batch {batch} (graph)"] = lambda p=pieces: graph_forward(p)
     print(
         f"{args.preset} on {device} ({args.mode}, {ops.kernel_mode(device.type)}): weights "
         f"{weight_bytes / 1e9:.2f} GB, read once at {args.hbm_tbps} TB/s = {bound_ms:.2f} ms"
     )
+    report(device, cases, args.profile)
+    if graphs is not None:
+        report_graphs(graphs, eager, args.context)
+
+
+def report_graphs(graphs: DecodeGraphs, eager: ModelRunner, context: int) -> None:
+    state = graphs.describe()
+    print(f"CUDA graphs: {'on' if state['enabled'] else 'off: ' + str(state['reason'])}, "
+          f"replays {graphs.replays}, eager {dict(graphs.eager)}")  # fmt: skip
+    vocab = graphs.runner.w.config.shape.vocab_size
+    for batch in (1, 3, 32):
+        pieces = decode_pieces(batch, context, vocab)
+        print(f"  batch {batch}: graph logits bitwise the eager ones: "
+              f"{graphs_match(graphs, eager, pieces)}")  # fmt: skip
+
+
+def report(device: torch.device, cases: dict[str, Callable[[], object]], profiled: bool) -> None:
     for name, function in cases.items():
         total = timed_ms(device, function, 5 if "prefill" in name else 20)
         host = host_ms(device, function)
-        print(f"  {name:<24} {total:8.2f} ms a forward, host enqueue {host:8.2f} ms", flush=True)
-    if args.profile and device.type == "cuda":
+        print(f"  {name:<28} {total:8.2f} ms a forward, host enqueue {host:8.2f} ms", flush=True)
+    if profiled and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
         for name, function in cases.items():

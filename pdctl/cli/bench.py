@@ -186,8 +186,11 @@ def engine(
     if opts.json:
         console.emit_json(report)
         return
+    graphs = report.get("cuda_graphs", {})
+    graphed = "on" if graphs.get("enabled") else f"off: {graphs.get('reason')}"
     table = Table(
-        title=f"engine bench: {report['preset']} on {report['device']} ({report['dtype']})"
+        title=f"engine bench: {report['preset']} on {report['device']} ({report['dtype']}, "
+        f"CUDA graphs {graphed})"
     )
     for column in ("mode", "kernels", "batch", "tokens/s", "ms/step", "steps"):
         table.add_column(column, justify="left" if column in ("mode", "kernels") else "right")

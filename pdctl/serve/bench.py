@@ -4,7 +4,8 @@
 
 Each batch size submits that many greedy requests at once (32-token prompts, 64
 new tokens each) to a fresh engine and times them to completion; the step latency
-is the wall time divided by the forwards the engine ran.
+is the wall time divided by the forwards the engine ran. Decode steps replay CUDA
+graphs as a server's do (`model/graphs.py`; `--no-cuda-graphs`: eager).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pdctl.serve.engine.request import Request
 from pdctl.serve.engine.sampling import SamplingParams
 from pdctl.serve.engine.scheduler import Budget, Scheduler
 from pdctl.serve.model import ops
+from pdctl.serve.model.graphs import DecodeGraphs
 from pdctl.serve.model.runner import ModelRunner
 from pdctl.serve.model.weights import build_rank_weights, preset_config, preset_source
 from pdctl.serve.tokenizer import ByteTokenizer
@@ -74,6 +76,7 @@ def main() -> None:
         help="comma list of deterministic (fixed-order kernels, the servers' default) and "
         "vendor (the fast path of serving.deterministic: false), run side by side",
     )
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -89,27 +92,35 @@ def main() -> None:
     scheduler = Scheduler(
         kv, ReqToToken(64, 4096), RadixCache(kv.pages, 16, enabled=False), Budget(64, 2048)
     )
-    engine = Engine(
-        scheduler, ModelRunner(weights, kv, device).forward, ByteTokenizer(config.shape.vocab_size)
-    )
+    graphs = DecodeGraphs.for_runner(
+        ModelRunner(weights, kv, device), capacity=4096, scratch_row=kv.scratch_row,
+        max_batch=64, enabled=args.cuda_graphs,
+    )  # fmt: skip
+    engine = Engine(scheduler, graphs.forward, ByteTokenizer(config.shape.vocab_size))
     engine.start()
     rows = []
     for mode in modes:
         ops.set_deterministic(mode == "deterministic")
         if device.type == "cpu":  # the servers' setting: one thread when deterministic
             torch.set_num_threads(1 if mode == "deterministic" else THREADS)
-        run_batch(engine, 1, 32, 4)  # warm-up (and Triton's compile)
         for batch in args.batches.split(","):
+            run_batch(engine, int(batch), 32, 4)  # warm-up: Triton's compile, graph captures
+            replays = graphs.replays
             row = run_batch(engine, int(batch), 32, args.new_tokens)
+            row["graph_steps"] = graphs.replays - replays
             rows.append({"mode": mode, "kernels": ops.kernel_mode(device.type), **row})
     engine.stop()
-    report = {"preset": args.preset, "device": str(device), "dtype": str(dtype), "rows": rows}
+    report = {
+        "preset": args.preset, "device": str(device), "dtype": str(dtype),
+        "cuda_graphs": graphs.describe(), "rows": rows,
+    }  # fmt: skip
     if args.json:
         print(json.dumps(report))
     else:
         for row in rows:
             line = f"{row['mode']:>13} batch {row['batch']:>3}: {row['tokens_per_s']:>8} tokens/s"
-            print(f"{line}, {row['step_ms']} ms/step ({row['kernels']})")
+            graphed = f"{row['graph_steps']}/{row['steps']} steps as graphs"
+            print(f"{line}, {row['step_ms']} ms/step ({row['kernels']}, {graphed})")
 
 
 if __name__ == "__main__":

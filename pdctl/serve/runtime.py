@@ -25,6 +25,7 @@ from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.args import ServerArgs
 from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.model import ops
+from pdctl.serve.model.graphs import DecodeGraphs
 from pdctl.serve.model.runner import ModelRunner
 from pdctl.serve.model.weights import (
     DTYPES,
@@ -44,11 +45,12 @@ log = logging.getLogger("pdctl.serve")
 
 @dataclass
 class LanguageModel:
-    """A rank's share of the language model: weights, KV pool, runner."""
+    """A rank's share of the language model: weights, KV pool, runner, decode graphs."""
 
     weights: RankWeights
     kv: KVPool
     runner: ModelRunner
+    graphs: DecodeGraphs  # decode steps as CUDA graphs where they can be (else off, and why)
 
 
 @dataclass
@@ -79,8 +81,17 @@ class Rank:
         return self._model().runner
 
     @property
+    def graphs(self) -> DecodeGraphs:
+        return self._model().graphs
+
+    @property
     def max_context(self) -> int:
-        return min(self.config.shape.max_position, self.kv.pool_tokens)
+        return context_limit(self.config, self.kv.pool_tokens)
+
+
+def context_limit(config: ModelConfig, pool_tokens: int) -> int:
+    """The longest sequence a rank takes: its positions and its KV pool both bound it."""
+    return min(config.shape.max_position, pool_tokens)
 
 
 def set_identity(args: ServerArgs) -> None:
@@ -137,14 +148,22 @@ def load_model(
         device,
     )
     runner = ModelRunner(weights, kv, device, gather, compute_logits=args.tp_rank == 0)
+    graphs = DecodeGraphs.for_runner(
+        runner,
+        capacity=context_limit(config, pool),
+        scratch_row=kv.scratch_row,
+        max_batch=args.max_running_requests,
+        enabled=args.cuda_graphs,
+    )
     log.info(
-        "model %s ready on %s (tp %d, %d KV tokens)",
+        "model %s ready on %s (tp %d, %d KV tokens, CUDA graphs %s)",
         args.model_path or args.model_preset,
         device,
         args.tp,
         pool,
+        "on" if graphs.off is None else "off",
     )
-    return LanguageModel(weights, kv, runner)
+    return LanguageModel(weights, kv, runner, graphs)
 
 
 def start_rank(args: ServerArgs, argv: list[str]) -> Rank:
@@ -184,10 +203,14 @@ def start_rank(args: ServerArgs, argv: list[str]) -> Rank:
 
 
 def rank_forward(rank: Rank):  # type: ignore[no-untyped-def]
-    """The engine's forward: on rank 0 with TP, announce the batch first."""
+    """The engine's forward: on rank 0 with TP, announce the batch first.
+
+    At TP 1 decode batches replay CUDA graphs where they can (`model/graphs.py`); with
+    TP every rank runs the same eager forward (the gather is a collective).
+    """
     group = rank.group
     if group is None:
-        return rank.runner.forward
+        return rank.graphs.forward
 
     def forward(pieces):  # type: ignore[no-untyped-def]
         group.send(tensor_parallel.OP_FORWARD, tensor_parallel.encode_pieces(pieces))

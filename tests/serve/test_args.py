@@ -32,3 +32,21 @@ def test_bad_rank_devices_are_refused_with_the_reason(
     with pytest.raises(SystemExit):
         parse([*BASE, "--tp", "2", "--rank-devices", value])
     assert message in capsys.readouterr().err
+
+
+def test_cuda_graphs_are_on_by_default_and_off_by_flag_or_environment(monkeypatch) -> None:
+    monkeypatch.delenv("PDCTL_CUDA_GRAPHS", raising=False)
+    assert parse(BASE).cuda_graphs is True
+    assert parse([*BASE, "--no-cuda-graphs"]).cuda_graphs is False
+    for value, enabled in (("0", False), ("off", False), ("1", True), (" True ", True)):
+        monkeypatch.setenv("PDCTL_CUDA_GRAPHS", value)
+        assert parse(BASE).cuda_graphs is enabled, value
+    monkeypatch.setenv("PDCTL_CUDA_GRAPHS", "1")
+    assert parse([*BASE, "--no-cuda-graphs"]).cuda_graphs is False
+
+
+def test_a_bad_cuda_graphs_variable_is_refused(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("PDCTL_CUDA_GRAPHS", "maybe")
+    with pytest.raises(SystemExit):
+        parse([*BASE, "--no-cuda-graphs"])  # checked even when the flag turns them off
+    assert "PDCTL_CUDA_GRAPHS takes 0 or 1" in capsys.readouterr().err

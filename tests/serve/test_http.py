@@ -150,6 +150,8 @@ def test_service_endpoints(tp1_server) -> None:
     assert info["model_path"] == "preset:tiny" and info["is_generation"]
     server = tp1_server.info()
     assert server["role"] == "colocated" and server["tp"] == 1 and server["kv"]["page_size"] == 16
+    graphs = server["cuda_graphs"]
+    assert graphs["enabled"] is False and graphs["reason"] == "not CUDA (cpu)"
     metrics = httpx.get(f"{tp1_server.url}/metrics", timeout=10).text
     assert "pdctl_generated_tokens_total" in metrics and "pdctl_kv_free_pages" in metrics
     flushed = httpx.post(f"{tp1_server.url}/flush_cache", timeout=30).json()

@@ -5,6 +5,12 @@
     pool row of token = page * page_size + offset in page
     req_to_token      [max_requests, max_context] pool rows of each request's tokens
 
+    pages             0 .. num_pages - 2 for requests | num_pages - 1: scratch (no owner)
+
+The last page is never handed out: its first row (`scratch_row`) is where the padding
+pieces of a captured decode step (`model/graphs.py`) write their K and V, so padding
+can never touch a request's KV. The model is given the row, never the page.
+
 `PageAllocator` and `ReqToToken` are plain managers (no I/O, no device work beyond
 owning tensors); the scheduler decides who gets what.
 """
@@ -58,13 +64,20 @@ class KVPool:
             raise ValueError(
                 f"pool of {pool_tokens} tokens is not a whole number of {page_size}-token pages"
             )
+        if pool_tokens < 2 * page_size:
+            raise ValueError(
+                f"a pool of {pool_tokens} tokens is less than two {page_size}-token pages "
+                "(one for requests, one scratch page)"
+            )
         self.page_size = page_size
         self.kv = torch.zeros(
             num_layers, 2, pool_tokens, kv_heads, head_dim, dtype=dtype, device=device
         )
         self.k_buffers = [self.kv[layer, 0] for layer in range(num_layers)]
         self.v_buffers = [self.kv[layer, 1] for layer in range(num_layers)]
-        self.pages = PageAllocator(pool_tokens // page_size)
+        scratch_page = pool_tokens // page_size - 1
+        self.pages = PageAllocator(scratch_page)  # every page but the scratch page
+        self.scratch_row = scratch_page * page_size  # padding rows' K and V land here
 
     @property
     def pool_tokens(self) -> int:

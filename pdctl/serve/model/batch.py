@@ -1,8 +1,10 @@
 """What one forward is given: the pieces of a batch, and their layout on the device.
 
 A `Piece` is the new tokens of one sequence. `ForwardBatch.build` lays a batch out
-once per forward, on the host, and moves it to the device in one copy; every layer
-then reuses it (no host synchronisation inside the forward). Attention reads the
+once per forward, on the host, and moves it to the device in one copy (pinned and
+non-blocking on CUDA); every layer then reuses it (no host synchronisation inside the
+forward). A decode step captured as a CUDA graph uses a fixed layout of the same
+`ForwardBatch` instead (`decode_batch.py`). Attention reads the
 keys of each piece straight from the KV pool through `KeyTable`:
 
     rows           piece 0's key rows 0..len0-1 | piece 1's 0..len1-1 | ...   [total keys]
@@ -139,14 +141,20 @@ def _tile_floor(position: int) -> int:
 
 
 def _to_device(segments: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """One host-to-device copy of every segment (int64), each starting ALIGN-aligned."""
+    """One host-to-device copy of every segment (int64), each starting ALIGN-aligned.
+
+    On CUDA the staging is pinned and the copy non-blocking: the host never waits for
+    the device here (a pageable copy would). Torch's pinned-memory cache keeps the
+    block until the copy has finished, so a later forward never overwrites it early.
+    """
     sizes = {name: t.numel() for name, t in segments.items()}
     spans = {name: -(-size // ALIGN) * ALIGN for name, size in sizes.items()}
-    packed = torch.zeros(sum(spans.values()), dtype=torch.int64)  # [sum of aligned spans]
+    pinned, total = device.type == "cuda", sum(spans.values())
+    packed = torch.zeros(total, dtype=torch.int64, pin_memory=pinned)  # [sum of aligned spans]
     at, starts = 0, {}
     for name, tensor in segments.items():
         packed[at : at + sizes[name]] = tensor.reshape(-1)
         starts[name] = at
         at += spans[name]
-    packed = packed.to(device)
+    packed = packed.to(device, non_blocking=pinned)
     return {name: packed[starts[name] : starts[name] + sizes[name]] for name in segments}

@@ -2,7 +2,8 @@
 
 `ModelRunner.forward` computes a batch of sequence pieces (`batch.py`): each piece
 appends `tokens` at positions `start..start+n-1` of one sequence whose earlier tokens
-are already in the KV pool. The batch is laid out on the device once per forward;
+are already in the KV pool. The batch is laid out on the device once per forward
+(`run` computes a batch already laid out: a decode step's CUDA graph captures it);
 each layer writes the new tokens' K and V into the pool and attends over every piece
 at once (`attention.py`). Every primitive is batch-invariant (see `ops.py`), so a
 token's hidden states, and the logits of a sequence, do not depend on the other
@@ -59,7 +60,20 @@ class ModelRunner:
     def forward(self, pieces: Sequence[Piece]) -> torch.Tensor | None:
         """Logits [pieces wanting them, vocab] in float32 (None on ranks that skip them)."""
         batch = ForwardBatch.build(pieces, self.device)
-        x = self._embed(pieces, batch)  # [T padded, hidden]
+        return self.run(batch, _embeds(pieces))
+
+    @torch.inference_mode()
+    def run(
+        self, batch: ForwardBatch, embeds: Sequence[tuple[int, torch.Tensor]] = ()
+    ) -> torch.Tensor | None:
+        """The forward of a batch already on the device: what a CUDA graph captures.
+
+        Reads only shapes on the host. `embeds` are (token index, [m, hidden] rows) that
+        replace token embeddings (multimodal prompts); logits as `forward`'s.
+        """
+        x = ops.pad_rows(self.w.embed[batch.tokens])  # [T padded, hidden]
+        for at, rows in embeds:  # multimodal positions take the encoder's embeddings
+            x[at : at + rows.shape[0]] = rows.to(device=x.device, dtype=x.dtype)
         cos = ops.pad_rows(self.cos[batch.positions])
         sin = ops.pad_rows(self.sin[batch.positions])
         for layer, lw in enumerate(self.w.layers):
@@ -71,16 +85,6 @@ class ModelRunner:
         last = ops.rms_norm(last, self.w.final_norm, self.w.config.rms_eps)
         wanted, vocab = batch.logit_rows.numel(), self.w.config.shape.vocab_size
         return ops.matmul(last, self.w.lm_head_t)[:wanted, :vocab].float()
-
-    def _embed(self, pieces: Sequence[Piece], batch: ForwardBatch) -> torch.Tensor:
-        x = ops.pad_rows(self.w.embed[batch.tokens])  # [T padded, hidden]
-        offset = 0
-        for piece in pieces:  # multimodal positions take the encoder's embeddings
-            for index, rows in piece.embeds:
-                at = offset + index
-                x[at : at + rows.shape[0]] = rows.to(device=x.device, dtype=x.dtype)
-            offset += piece.tokens.numel()
-        return x
 
     def _attention_block(
         self,
@@ -115,3 +119,12 @@ class ModelRunner:
         inter = gate_up.shape[1] // 2
         act = ops.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
         return ops.row_parallel_matmul(act, lw.down_chunks, self.gather)
+
+
+def _embeds(pieces: Sequence[Piece]) -> list[tuple[int, torch.Tensor]]:
+    """Every piece's multimodal rows, at their token's index in the batch."""
+    found, offset = [], 0
+    for piece in pieces:
+        found += [(offset + index, rows) for index, rows in piece.embeds]
+        offset += piece.tokens.numel()
+    return found

@@ -53,8 +53,16 @@ def server_info(rank: Rank) -> dict[str, Any]:
         "overlap": args.overlap,
         "deterministic": args.deterministic,
         "kernels": ops.kernel_mode(rank.device.type),
+        "cuda_graphs": graphs_info(rank),
         "pid": os.getpid(),
     }
+
+
+def graphs_info(rank: Rank) -> dict[str, Any]:
+    """Whether decode steps replay CUDA graphs (`model/graphs.py`), and if not why."""
+    if rank.model is None:
+        return {"enabled": False, "reason": "no language model on this rank"}
+    return rank.model.graphs.describe()
 
 
 GRACE_S = 2
