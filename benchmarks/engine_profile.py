@@ -94,7 +94,7 @@ def main() -> None:
     device = torch.device(args.device if args.device == "cpu" else f"{args.device}:0")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     config = preset_config(args.preset)
-    weights = build_rank_weights(config, preset_source(0), 1, 0, dtype, device)
+    weights = build_rank_weights(config, preset_source(0, device), 1, 0, dtype, device)
     pool_tokens = max(4096, 40 * (args.context + 16), args.prompt + 64)
     pool_tokens -= pool_tokens % 16
 

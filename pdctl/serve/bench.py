@@ -85,7 +85,7 @@ def main() -> None:
     device = torch.device(args.device if args.device == "cpu" else f"{args.device}:0")
     dtype = DTYPES.get(device.type, torch.bfloat16)
     config = preset_config(args.preset)
-    weights = build_rank_weights(config, preset_source(0), 1, 0, dtype, device)
+    weights = build_rank_weights(config, preset_source(0, device), 1, 0, dtype, device)
     kv = KVPool(
         config.shape.num_layers, 16384, weights.kv_heads, config.shape.head_dim, 16, dtype, device
     )

@@ -134,7 +134,7 @@ def load_model(
     """This rank's weights, its KV pool and the runner over them."""
     dtype = DTYPES[args.dtype]
     path = Path(args.model_path) if args.model_path else None
-    source = checkpoint_source(path) if path else preset_source(args.seed)
+    source = checkpoint_source(path) if path else preset_source(args.seed, device)
     weights = build_rank_weights(config, source, args.tp, args.tp_rank, dtype, device)
     pool = args.kv_pool_tokens or 16384
     pool -= pool % args.page_size
