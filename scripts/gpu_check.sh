@@ -9,7 +9,8 @@
 # /tmp/ibv, never to /): scripts/gpu_wheels.sh fills those folders. STAGES picks
 # parts: tests,bench,nightly,pd, transport (`pdctl bench transport --device`: every
 # transport between two processes in device memory, beside the device's copy), and
-# engine (the engine bench alone, deterministic and vendor modes side by side), sweep
+# engine (the engine bench alone, deterministic and vendor modes side by side), launch
+# (`pdctl up` of PD_TOPOLOGY to ready, cold then warm Triton cache), sweep
 # (staging kernel variants, device-only and end to end) and invariance (vendor vs
 # Triton products across batch sizes and TP splits). One device call runs for at
 # most 10 minutes and brings back 8 files: split the stages over calls, e.g.
@@ -120,6 +121,21 @@ if has nightly; then
   timeout "$NIGHTLY_TIMEOUT" python3 -m pdctl nightly $TOPOLOGIES --suite "$SUITE" \
     --junit "$OUT/nightly.xml" --json "$OUT/nightly.json" 2>&1 | tail -n 40 || status=1
   python3 benchmarks/kv_transfer_table.py "$OUT/nightly.json" 2>&1 | tee "$OUT/kv-transfer.md"
+fi
+
+if has launch; then  # `pdctl up` to ready, on a cold then a warm Triton cache
+  for attempt in cold warm; do
+    started=$(date +%s.%N)
+    python3 -m pdctl up -d --json "$PD_TOPOLOGY" > "$OUT/up-$attempt.json" \
+      2> "$OUT/up-$attempt.err" || status=1
+    ended=$(date +%s.%N)
+    name=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["name"])' \
+      "$OUT/up-$attempt.json" 2>/dev/null)
+    python3 -c 'import sys; print(f"pdctl up {sys.argv[1]} ({sys.argv[2]} Triton cache): '\
+'{float(sys.argv[4]) - float(sys.argv[3]):.1f} s to ready")' \
+      "$PD_TOPOLOGY" "$attempt" "$started" "$ended" | tee -a "$OUT/launch.log"
+    [ -n "$name" ] && python3 -m pdctl down "$name" > /dev/null 2>&1
+  done
 fi
 
 if has pd; then
