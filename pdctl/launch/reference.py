@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httpx
@@ -19,7 +20,7 @@ from pdctl.engines import get_engine
 from pdctl.engines.base import render_command
 from pdctl.launch.loopback import confine
 from pdctl.launch.plan import ProcessPlan
-from pdctl.launch.ports import allocate
+from pdctl.launch.ports import Allocation, allocate
 from pdctl.launch.processes import spawn
 from pdctl.launch.readiness import check
 from pdctl.launch.stages import LaunchFailed, ProcessState
@@ -29,8 +30,25 @@ if TYPE_CHECKING:
     from pdctl.launch.run import Run
 
 
-def start_reference(run: Run, tp: int = 1, timeout: float = 120.0) -> str:
-    """Start the reference next to `run`'s processes; its URL once its probes answer."""
+@dataclass
+class StartingReference:
+    """A reference server spawned and not yet ready: `wait` for its URL (from any
+    thread; the spawn itself happened on the caller's, whose exit the child watches)."""
+
+    run: Run
+    state: ProcessState
+    ports: Allocation
+
+    def wait(self, timeout: float = 120.0) -> str:
+        try:
+            _wait(self.run, self.state, self.ports.ports, timeout)
+        finally:
+            self.ports.release()
+        return self.state.url
+
+
+def spawn_reference(run: Run, tp: int = 1) -> StartingReference:
+    """Spawn the reference next to `run`'s processes; `wait` says when its probes answer."""
     topology = run.plan.topology
     spec = get_engine(topology.engine).reference(topology, tp)
     ports = allocate(list(spec.slots), run.host)
@@ -43,15 +61,20 @@ def start_reference(run: Run, tp: int = 1, timeout: float = 120.0) -> str:
     confine(env, run.host)
     run.dir.mkdir(parents=True, exist_ok=True)
     argv = render_command(spec.command, ports.ports)
-    state.spawned = spawn(
-        "reference", argv, env, run.dir / "reference-tp0.log", die_with_parent=not run.detach
-    )
-    run.states.append(state)
     try:
-        _wait(run, state, ports.ports, timeout)
-    finally:
+        state.spawned = spawn(
+            "reference", argv, env, run.dir / "reference-tp0.log", die_with_parent=not run.detach
+        )
+    except BaseException:
         ports.release()
-    return state.url
+        raise
+    run.states.append(state)
+    return StartingReference(run, state, ports)
+
+
+def start_reference(run: Run, tp: int = 1, timeout: float = 120.0) -> str:
+    """Start the reference next to `run`'s processes; its URL once its probes answer."""
+    return spawn_reference(run, tp).wait(timeout)
 
 
 def _wait(run: Run, state: ProcessState, ports: dict[str, int], timeout: float) -> None:

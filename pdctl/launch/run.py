@@ -31,7 +31,7 @@ from pdctl.launch.plan import LaunchPlan, ProcessPlan
 from pdctl.launch.ports import Allocation, allocate
 from pdctl.launch.processes import spawn, start_time, stop_groups
 from pdctl.launch.readiness import wait_ready
-from pdctl.launch.reference import start_reference
+from pdctl.launch.reference import StartingReference, spawn_reference, start_reference
 from pdctl.launch.stages import STAGES, LaunchFailed, ProcessState
 from pdctl.topology.resolve import RUN_ID_VAR, RUN_SECRET_VAR
 
@@ -282,6 +282,10 @@ class Run:
     def start_reference(self, tp: int = 1, timeout: float = 120.0) -> str:
         """A colocated server of the same engine and model, ready; its URL."""
         return start_reference(self, tp, timeout)
+
+    def spawn_reference(self, tp: int = 1) -> StartingReference:
+        """The reference spawned now; its `wait` (from any thread) gives the URL when ready."""
+        return spawn_reference(self, tp)
 
     # -- stop ------------------------------------------------------------------------
     def stop(self, grace: float = 5.0) -> list[str]:

@@ -254,6 +254,8 @@ def _run(
             else "one concurrent pass"
         )
     )
+    if settings.reference and settings.serial_compare:
+        target.start_reference_early()  # its start overlaps the passes before it
     started = time.perf_counter()
     report.passes, report.findings = run_passes(target, prompts, settings)
     report.phases["passes_s"] = time.perf_counter() - started

@@ -5,12 +5,17 @@ Three targets: a topology pdctl launches (`launched`), a run `pdctl up` started
 router and workers (to flush their caches and ask what they serve), how to tell
 that a role died, and how to start a colocated reference server of the
 topology's model on demand: the reference pass and the control before blame
-both use it. A target ends what it started itself in `close` (the launched run,
-a reference server) and nothing else: a run of `pdctl up` is never stopped.
+both use it. Its start may begin early, in the background, so the passes before
+the reference pass overlap it. A target ends what it started itself in `close`
+(the launched run, a reference server; a start under way is waited for first, so
+nothing is spawned after) and nothing else: a run of `pdctl up` is never stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 import httpx
@@ -41,6 +46,7 @@ class Target:
         self._plan = plan  # what a reference server is started from (None: nothing)
         self._reference_run: Run | None = None
         self._reference_url: str | None = None
+        self._reference_start: Future[str] | None = None  # started early, in the background
 
     @property
     def workers(self) -> list[str]:
@@ -57,19 +63,54 @@ class Target:
         return {}
 
     def reference(self) -> str:
-        """The URL of a colocated server of the same model (started once, on first use)."""
+        """The URL of a colocated server of the same model (started once, on first use,
+        or waited for when `start_reference_early` began it)."""
         if self._reference_url is None:
             if self._plan is None:
                 raise NoReference("no topology to start a reference from (give the topology file)")
-            self._reference_run = self._reference_host()
-            self._reference_url = self._reference_run.start_reference(tp=1)
+            starting, self._reference_start = self._reference_start, None
+            self._reference_url = (
+                starting.result() if starting is not None else self._start_reference()
+            )
         return self._reference_url
+
+    def start_reference_early(self) -> None:
+        """Begin starting the reference now, on another thread (its imports and weights
+        overlap the passes before the reference pass); a failure surfaces in `reference`."""
+        if self._plan is None or self._reference_url is not None or self._reference_start:
+            return
+        # Spawned here: a child started from a thread would be killed when that thread
+        # ends (the parent-death signal follows the spawning thread). Waited for there.
+        self._reference_run = self._reference_host()
+        spawned = self._reference_run.spawn_reference(tp=1)
+        starting: Future[str] = Future()
+
+        def wait() -> None:
+            try:
+                starting.set_result(spawned.wait())
+            except BaseException as exc:  # handed to whoever waits for the reference
+                starting.set_exception(exc)
+
+        self._reference_start = starting
+        threading.Thread(target=wait, name="pdctl-reference", daemon=True).start()
+
+    def _start_reference(self) -> str:
+        self._reference_run = self._reference_host()
+        return self._reference_run.start_reference(tp=1)
+
+    def _settle_reference(self) -> None:
+        """Wait for a start under way: the reference must not spawn after `close`."""
+        starting, self._reference_start = self._reference_start, None
+        if starting is not None:
+            with contextlib.suppress(Exception):  # its failure is not this close's
+                starting.result()
 
     def _reference_host(self) -> Run:
         assert self._plan is not None
         return make_run(self._plan)
 
     def close(self) -> None:
+        self._settle_reference()
         if self._reference_run is not None:
             self._reference_run.stop()
 
@@ -108,6 +149,7 @@ class LaunchedTarget(Target):
         return self.run  # the reference joins the run: stopped with it
 
     def close(self) -> None:
+        self._settle_reference()
         self.run.stop()
 
 
