@@ -26,6 +26,10 @@ Why results could otherwise change with the batch (measured on this torch/MKL):
   column ranges whatever the TP size; each rank computes its chunks, the partials
   are gathered and summed in chunk order, so TP 1, 2, 4 and 8 add the same numbers
   in the same order.
+- Launches: on CUDA and XPU (both serving modes) RMSNorm, RoPE with the KV write,
+  SwiGLU and the chunk sums are one Triton launch each (`triton_norm.py`,
+  `triton_rope.py`, `triton_pointwise.py`): element-wise or one program per row, so
+  batch-invariant; each `*_reference` is its torch path, and the path elsewhere.
 
 Shapes are noted as [tokens, features]; "padded" means rounded up to TILE.
 """
@@ -122,13 +126,17 @@ AllGather = Callable[[torch.Tensor], torch.Tensor]
 
 
 def row_parallel_matmul(
-    x: torch.Tensor, weight_chunks: torch.Tensor, gather: AllGather | None
+    x: torch.Tensor,
+    weight_chunks: torch.Tensor,
+    gather: AllGather | None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_c x_c @ W_c over REDUCTION_CHUNKS column ranges, summed in chunk order.
 
     `x` [M, K_local] holds this rank's chunks side by side; `weight_chunks` is this
     rank's [local chunks, K_chunk, N] stack. `gather` stacks every rank's partials in
-    rank order ([chunks, M, N]); None when there is one rank.
+    rank order ([chunks, M, N]); None when there is one rank. `residual` [M, N], when
+    given, is added to the sum (in the same launch on accelerators).
     """
     chunks, width, _ = weight_chunks.shape
     if invariant_kernels(x.device.type):
@@ -142,22 +150,63 @@ def row_parallel_matmul(
         )  # [local chunks, M, N]
     if gather is not None:
         partials = gather(partials)  # [REDUCTION_CHUNKS, M, N]
+    return add_chunk_sums(partials, residual)
+
+
+def add_chunk_sums(partials: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """partials [C, M, N] summed in chunk order (+ residual [M, N]): one launch with Triton."""
+    if triton_available(partials.device.type):
+        from pdctl.serve.model import triton_pointwise
+
+        return triton_pointwise.add_chunk_sums(partials, residual)
+    return add_chunk_sums_reference(partials, residual)
+
+
+def add_chunk_sums_reference(partials: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The torch path of `add_chunk_sums` (same signature): sums in partials' dtype."""
     total = partials[0].clone()
     for chunk in partials[1:]:
         total += chunk
-    return total
+    return total if residual is None else residual + total
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, H] (T padded) -> normalised, per row."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x [T, H] -> normalised per row, times weight, in out_dtype (the next product's).
+
+    One Triton launch per norm on accelerators (both serving modes; fixed order per row).
+    """
+    if triton_available(x.device.type):
+        from pdctl.serve.model import triton_norm
+
+        return triton_norm.rms_norm(x, weight, eps, out_dtype)
+    return rms_norm_reference(x, weight, eps, out_dtype)
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The torch path of `rms_norm` (same signature)."""
     if invariant_kernels(x.device.type):
         variance = row_sums(x.pow(2)) / x.shape[-1]
     else:
         variance = x.pow(2).mean(dim=-1, keepdim=True)
-    return x * torch.rsqrt(variance + eps) * weight
+    out = x * torch.rsqrt(variance + eps) * weight
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, [M, I]: one Triton launch on accelerators."""
+    if triton_available(gate.device.type):
+        from pdctl.serve.model import triton_pointwise
+
+        return triton_pointwise.silu_mul(gate, up)
+    return silu_mul_reference(gate, up)
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The torch path of `silu_mul` (same signature)."""
     return torch.nn.functional.silu(gate) * up
 
 
@@ -176,3 +225,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     first, second = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat((first * c - second * s, second * c + first * s), dim=-1)
+
+
+def rope_and_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_heads: int,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    new_rows: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE of the fused product's q and k, and K and V stored at the pool's `new_rows`.
+
+    qkv [T, >= (q_heads + 2 * kv_heads) * D] holds q | k | v; cos, sin [>= T, D/2]; row t
+    of k and v (t < len(new_rows)) goes to pool row new_rows[t] of k_buffer, v_buffer
+    [pool, kv_heads, D]. Returns the rotated q [T, q_heads, D] in the cache's dtype (the
+    dtype attention multiplies in). One Triton launch on accelerators.
+    """
+    if triton_available(qkv.device.type):
+        from pdctl.serve.model import triton_rope
+
+        return triton_rope.rope_and_cache(qkv, cos, sin, q_heads, k_buffer, v_buffer, new_rows)
+    return rope_and_cache_reference(qkv, cos, sin, q_heads, k_buffer, v_buffer, new_rows)
+
+
+def rope_and_cache_reference(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_heads: int,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    new_rows: torch.Tensor,
+) -> torch.Tensor:
+    """The torch path of `rope_and_cache` (same signature)."""
+    tokens, (kv_heads, dim) = qkv.shape[0], k_buffer.shape[1:]
+    q_end, k_end = q_heads * dim, (q_heads + kv_heads) * dim
+    cos, sin = cos[:tokens], sin[:tokens]
+    q = apply_rope(qkv[:, :q_end].reshape(tokens, q_heads, dim), cos, sin)
+    k = apply_rope(qkv[:, q_end:k_end].reshape(tokens, kv_heads, dim), cos, sin)
+    v = qkv[:, k_end : k_end + kv_heads * dim].reshape(tokens, kv_heads, dim)
+    total = new_rows.shape[0]
+    k_buffer[new_rows] = k[:total].to(k_buffer.dtype)
+    v_buffer[new_rows] = v[:total].to(v_buffer.dtype)
+    return q.to(k_buffer.dtype)

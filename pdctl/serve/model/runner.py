@@ -49,12 +49,10 @@ class ModelRunner:
         self.gather = gather
         self.compute_logits = compute_logits
         shape = weights.config.shape
-        self.head_dim = shape.head_dim
         self.scale = shape.head_dim**-0.5
         cos, sin = ops.rope_tables(shape.head_dim, shape.max_position, weights.config.rope_theta)
         self.cos, self.sin = cos.to(device), sin.to(device)
         self.q_width = weights.q_heads * shape.head_dim
-        self.kv_width = weights.kv_heads * shape.head_dim
 
     @torch.inference_mode()
     def forward(self, pieces: Sequence[Piece]) -> torch.Tensor | None:
@@ -77,12 +75,12 @@ class ModelRunner:
         cos = ops.pad_rows(self.cos[batch.positions])
         sin = ops.pad_rows(self.sin[batch.positions])
         for layer, lw in enumerate(self.w.layers):
-            x = x + self._attention_block(layer, lw, x, batch, cos, sin)
-            x = x + self._mlp_block(lw, x)
+            x = self._attention_block(layer, lw, x, batch, cos, sin)
+            x = self._mlp_block(lw, x)
         if not self.compute_logits or not batch.logit_rows.numel():
             return None
         last = ops.pad_rows(x[batch.logit_rows])
-        last = ops.rms_norm(last, self.w.final_norm, self.w.config.rms_eps)
+        last = ops.rms_norm(last, self.w.final_norm, self.w.config.rms_eps, self.w.lm_head_t.dtype)
         wanted, vocab = batch.logit_rows.numel(), self.w.config.shape.vocab_size
         return ops.matmul(last, self.w.lm_head_t)[:wanted, :vocab].float()
 
@@ -95,30 +93,24 @@ class ModelRunner:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        """The attention sublayer's residual update [T padded, hidden]."""
-        h = ops.rms_norm(x, lw.input_norm, self.w.config.rms_eps)
-        qkv = ops.matmul(h, lw.qkv_t)
+        """x [T padded, hidden] plus the attention sublayer's update."""
+        h = ops.rms_norm(x, lw.input_norm, self.w.config.rms_eps, lw.qkv_t.dtype)
+        qkv = ops.matmul(h, lw.qkv_t)  # [T padded, q | k | v (| column padding)]
         if lw.qkv_bias is not None:
             qkv = qkv[:, : lw.qkv_bias.numel()] + lw.qkv_bias
-        q_end, k_end = self.q_width, self.q_width + self.kv_width
-        heads = (self.w.q_heads, self.w.kv_heads, self.head_dim)
-        q = ops.apply_rope(qkv[:, :q_end].view(-1, heads[0], heads[2]), cos, sin)
-        k = ops.apply_rope(qkv[:, q_end:k_end].view(-1, heads[1], heads[2]), cos, sin)
-        v = qkv[:, k_end : k_end + self.kv_width].view(-1, heads[1], heads[2])
         k_buffer, v_buffer = self.kv.k_buffers[layer], self.kv.v_buffers[layer]
-        total = batch.num_tokens
-        k_buffer[batch.new_rows] = k[:total].to(k_buffer.dtype)
-        v_buffer[batch.new_rows] = v[:total].to(v_buffer.dtype)
+        q = ops.rope_and_cache(qkv, cos, sin, self.w.q_heads, k_buffer, v_buffer, batch.new_rows)
         attn = attention.paged_attention(q, k_buffer, v_buffer, batch.keys, self.scale)
-        return ops.row_parallel_matmul(attn.view(-1, self.q_width), lw.o_chunks, self.gather)
+        attn_rows = attn.view(-1, self.q_width)
+        return ops.row_parallel_matmul(attn_rows, lw.o_chunks, self.gather, residual=x)
 
     def _mlp_block(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        """The MLP sublayer's residual update [T padded, hidden]."""
-        h = ops.rms_norm(x, lw.post_norm, self.w.config.rms_eps)
+        """x [T padded, hidden] plus the MLP sublayer's update."""
+        h = ops.rms_norm(x, lw.post_norm, self.w.config.rms_eps, lw.gate_up_t.dtype)
         gate_up = ops.matmul(h, lw.gate_up_t)
         inter = gate_up.shape[1] // 2
         act = ops.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
-        return ops.row_parallel_matmul(act, lw.down_chunks, self.gather)
+        return ops.row_parallel_matmul(act, lw.down_chunks, self.gather, residual=x)
 
 
 def _embeds(pieces: Sequence[Piece]) -> list[tuple[int, torch.Tensor]]:
