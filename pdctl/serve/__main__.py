@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import gc
 import importlib
+import os
 import sys
 
 from pdctl.serve.args import parse
-from pdctl.serve.runtime import start_rank
+from pdctl.serve.ranks import first_of_many, spawn_ranks
 
 ROLES = {
     "colocated": "pdctl.serve.roles.colocated",
@@ -26,8 +27,12 @@ def main(argv: list[str]) -> None:
         return
     if args.role not in ROLES:
         raise SystemExit(f"role {args.role!r} is not served by this build")
+    # The other TP ranks start now, importing torch beside this rank, not after it.
+    children = spawn_ranks(args.tp, argv, dict(os.environ)) if first_of_many(args) else []
+    from pdctl.serve.runtime import start_rank  # torch: not for the router
+
     role = importlib.import_module(ROLES[args.role])
-    rank = start_rank(args, argv)
+    rank = start_rank(args, argv, children)
     if args.tp_rank > 0:
         if hasattr(role, "run_worker"):
             role.run_worker(rank)

@@ -24,10 +24,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pdctl.serve.engine.loop import Engine
 from pdctl.serve.engine.request import Event, Request
 from pdctl.serve.engine.sampling import SamplingParams
+from pdctl.serve.guards import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
 from pdctl.serve.multimodal import PromptError, images_of
 from pdctl.serve.schemas import CompletionBody, GenerateBody, SamplingBody, error_body
-
-MAX_BODY_BYTES = 16 << 20
 
 
 class BadRequest(Exception):
@@ -221,30 +220,6 @@ async def multimodal_prompt(
         return await asyncio.to_thread(ctx.encode, body, images)
     except PromptError as exc:
         raise BadRequest(str(exc), exc.field) from None
-
-
-def refuse_oversized(request: HttpRequest, limit: int) -> tuple[int, str] | None:
-    """(status, message) when a request's body is, or may be, larger than `limit` bytes.
-
-    A body must declare its length: a chunked body could be any size, so it is refused
-    before a byte of it is read.
-    """
-    length = request.headers.get("content-length")
-    if length is None:
-        if "transfer-encoding" in request.headers:
-            return 411, "a request body must come with a Content-Length (chunked is refused)"
-        return None
-    if not length.isdigit() or int(length) > limit:
-        return 413, f"request body larger than {limit} bytes"
-    return None
-
-
-def guard_json_depth(app: FastAPI) -> None:
-    """JSON nested deeper than Python's recursion limit is a 400, not a crash."""
-
-    @app.exception_handler(RecursionError)
-    async def _too_deep(_: HttpRequest, __: RecursionError) -> JSONResponse:
-        return JSONResponse(error_body("the JSON body is nested too deeply"), status_code=400)
 
 
 def create_app(

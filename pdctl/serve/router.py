@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from pdctl.serve.args import ServerArgs
 from pdctl.serve.faults import faults
-from pdctl.serve.http import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
+from pdctl.serve.guards import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
 from pdctl.serve.schemas import error_body
 
 log = logging.getLogger("pdctl.serve")

@@ -37,6 +37,7 @@ from pdctl.serve.model.weights import (
     preset_config,
     preset_source,
 )
+from pdctl.serve.ranks import first_of_many, spawn_ranks
 from pdctl.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from pdctl.staging import device as dev
 
@@ -166,7 +167,11 @@ def load_model(
     return LanguageModel(weights, kv, runner, graphs)
 
 
-def start_rank(args: ServerArgs, argv: list[str]) -> Rank:
+def start_rank(
+    args: ServerArgs, argv: list[str], children: list[subprocess.Popen[bytes]] | None = None
+) -> Rank:
+    """This rank, ready to serve; rank 0's other ranks are spawned here unless the
+    caller already spawned them (`children`)."""
     set_identity(args)
     device = device_for(args)
     ops.set_deterministic(args.deterministic)
@@ -181,9 +186,8 @@ def start_rank(args: ServerArgs, argv: list[str]) -> Rank:
             torch.set_num_threads(1)  # batch invariance: see ops.py
     else:  # the main thread's device (NCCL, Triton); worker threads guard their own
         dev.get_device_module(device).set_device(device)
-    children: list[subprocess.Popen[bytes]] = []
-    if args.tp > 1 and args.tp_rank == 0:
-        children = tensor_parallel.spawn_ranks(args.tp, argv, dict(os.environ))
+    if children is None:
+        children = spawn_ranks(args.tp, argv, dict(os.environ)) if first_of_many(args) else []
     group = None
     if args.tp > 1:
         if args.dist_port is None:

@@ -14,13 +14,10 @@ rank 0 tells its other ranks how decode registered each room (`pd/room_state.py`
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -186,37 +183,6 @@ def worker_loop(group: TPGroup, forward: Callable[[Sequence[Piece]], object]) ->
             group.handlers[op](payload)
         else:
             raise RuntimeError(f"unknown TP operation {op}")
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def spawn_ranks(world: int, argv: list[str], env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
-    """Rank 0 starts ranks 1..world-1 in its own process group; they die with it.
-
-    Under the launcher (PDCTL_LOG_DIR and PDCTL_PROCESS_NAME set) each rank writes
-    its own log, `<process>-tp<rank>.log`; otherwise ranks share rank 0's output.
-    """
-    children = []
-    log_dir, name = env.get("PDCTL_LOG_DIR"), env.get("PDCTL_PROCESS_NAME")
-    for rank in range(1, world):
-        log = open(f"{log_dir}/{name}-tp{rank}.log", "ab") if log_dir and name else None  # noqa: SIM115
-        try:
-            children.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "pdctl.serve", *argv, "--tp-rank", str(rank)],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT if log else None,
-                    preexec_fn=_die_with_parent,
-                )
-            )
-        finally:
-            if log is not None:
-                log.close()
-    return children
 
 
 def watch_ranks(

@@ -30,7 +30,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
 from pdctl.serve.faults import faults
-from pdctl.serve.http import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
+from pdctl.serve.guards import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
 from pdctl.serve.model.encoder import EncoderModel
 from pdctl.serve.multimodal import PromptError, digest_of, encode_prompt, images_of
 from pdctl.serve.pd.client import Client, PeerCallError, warn_if_no_secret
