@@ -190,9 +190,10 @@ def engine(
     graphed = "on" if graphs.get("enabled") else f"off: {graphs.get('reason')}"
     table = Table(
         title=f"engine bench: {report['preset']} on {report['device']} ({report['dtype']}, "
-        f"CUDA graphs {graphed})"
+        f"CUDA graphs {graphed}); weight-read bound {report['bound_ms']:.3f} ms "
+        f"({report['weight_bytes'] / 1e9:.2f} GB at {report['read_gbps']:.0f} GB/s)"
     )
-    for column in ("mode", "kernels", "batch", "tokens/s", "ms/step", "steps"):
+    for column in ("mode", "kernels", "batch", "tokens/s", "ms/step", "/ bound", "steps"):
         table.add_column(column, justify="left" if column in ("mode", "kernels") else "right")
     for row in report["rows"]:
         table.add_row(
@@ -201,6 +202,7 @@ def engine(
             str(row["batch"]),
             f"{row['tokens_per_s']:.1f}",
             f"{row['step_ms']:.2f}",
+            f"{row['vs_bound']:.1f}x",
             str(row["steps"]),
         )
     console.out.print(table)

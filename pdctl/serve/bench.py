@@ -27,7 +27,12 @@ from pdctl.serve.engine.scheduler import Budget, Scheduler
 from pdctl.serve.model import ops
 from pdctl.serve.model.graphs import DecodeGraphs
 from pdctl.serve.model.runner import ModelRunner
-from pdctl.serve.model.weights import build_rank_weights, preset_config, preset_source
+from pdctl.serve.model.weights import (
+    RankWeights,
+    build_rank_weights,
+    preset_config,
+    preset_source,
+)
 from pdctl.serve.tokenizer import ByteTokenizer
 
 DTYPES = {"cpu": torch.float32}
@@ -64,6 +69,34 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int) -> d
     }
 
 
+def weight_bytes(weights: RankWeights) -> int:
+    """Bytes a decode step reads: every layer's tensors, the embedding row aside."""
+    tensors = [weights.lm_head_t, weights.final_norm]
+    for layer in weights.layers:
+        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def read_gbps(device: torch.device) -> float:
+    """The device's read bandwidth, GB/s, from the median of five copies."""
+    size = (256 if device.type == "cpu" else 1024) << 20
+    source = torch.ones(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    times = []
+    for _ in range(6):
+        sync(device)
+        started = time.perf_counter()
+        target.copy_(source)
+        sync(device)
+        times.append(time.perf_counter() - started)
+    return 2 * size / sorted(times[1:])[2] / 1e9
+
+
+def sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize(device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
@@ -97,6 +130,8 @@ def main() -> None:
         max_batch=64, enabled=args.cuda_graphs,
     )  # fmt: skip
     engine = Engine(scheduler, graphs.forward, ByteTokenizer(config.shape.vocab_size))
+    nbytes, bandwidth = weight_bytes(weights), read_gbps(device)
+    bound_ms = nbytes / (bandwidth * 1e9) * 1e3
     engine.start()
     rows = []
     for mode in modes:
@@ -108,11 +143,13 @@ def main() -> None:
             replays = graphs.replays
             row = run_batch(engine, int(batch), 32, args.new_tokens)
             row["graph_steps"] = graphs.replays - replays
+            row["vs_bound"] = round(row["step_ms"] / bound_ms, 1)
             rows.append({"mode": mode, "kernels": ops.kernel_mode(device.type), **row})
     engine.stop()
     report = {
         "preset": args.preset, "device": str(device), "dtype": str(dtype),
-        "cuda_graphs": graphs.describe(), "rows": rows,
+        "cuda_graphs": graphs.describe(), "weight_bytes": nbytes,
+        "read_gbps": round(bandwidth, 1), "bound_ms": round(bound_ms, 3), "rows": rows,
     }  # fmt: skip
     if args.json:
         print(json.dumps(report))
@@ -120,7 +157,8 @@ def main() -> None:
         for row in rows:
             line = f"{row['mode']:>13} batch {row['batch']:>3}: {row['tokens_per_s']:>8} tokens/s"
             graphed = f"{row['graph_steps']}/{row['steps']} steps as graphs"
-            print(f"{line}, {row['step_ms']} ms/step ({row['kernels']}, {graphed})")
+            bound = f"{row['vs_bound']}x the {bound_ms:.3f} ms weight-read bound"
+            print(f"{line}, {row['step_ms']} ms/step = {bound} ({row['kernels']}, {graphed})")
 
 
 if __name__ == "__main__":
