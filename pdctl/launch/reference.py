@@ -3,7 +3,8 @@
 verify compares PD with it (the reference pass) and reproduces divergences on it
 with no KV transfer at all (the control before blame). The engine says what the
 server is (`Engine.reference`: its ports, command and probes); this module starts it
-as one more process of the run, so it is stopped with the run, and waits for it.
+as one more process of the run, so it is stopped with the run (by the run's owner, also
+when it fails to start), and waits for it.
 Engine faults (perturb-prefix-hit) reach it as they reach the engine's PD servers.
 """
 
@@ -78,20 +79,26 @@ def start_reference(run: Run, tp: int = 1, timeout: float = 120.0) -> str:
 
 
 def _wait(run: Run, state: ProcessState, ports: dict[str, int], timeout: float) -> None:
+    """Until the reference's probes answer. Only its own exit is checked, and nothing is
+    stopped here: this may run beside the passes on another thread, and the run's owner
+    watches (and stops) the run's other processes itself."""
+    assert state.spawned is not None
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=2.0) as client:
         while True:
-            run.check_exits()
+            how = state.spawned.exit_description()
+            if how is not None:
+                raise LaunchFailed(
+                    f"the reference server (pid {state.spawned.pid}) {how}", run.describe(state)
+                )
             problems = [check(run, client, p, ports) for p in state.plan.probes]
             if not any(problems):
                 state.advance("ready")
                 return
             state.detail = next(p for p in problems if p)
             if time.monotonic() > deadline:
-                report = run.describe(state)
-                run.stop()
                 raise LaunchFailed(
                     f"the reference server was not ready within {timeout:g} s ({state.detail})",
-                    report,
+                    run.describe(state),
                 )
             time.sleep(0.1)

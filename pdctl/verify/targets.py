@@ -7,13 +7,12 @@ that a role died, and how to start a colocated reference server of the
 topology's model on demand: the reference pass and the control before blame
 both use it. Its start may begin early, in the background, so the passes before
 the reference pass overlap it. A target ends what it started itself in `close`
-(the launched run, a reference server; a start under way is waited for first, so
-nothing is spawned after) and nothing else: a run of `pdctl up` is never stopped.
+(the launched run, a reference server, also one still starting: it was spawned at
+once) and nothing else: a run of `pdctl up` is never stopped.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -99,11 +98,9 @@ class Target:
         return self._reference_run.start_reference(tp=1)
 
     def _settle_reference(self) -> None:
-        """Wait for a start under way: the reference must not spawn after `close`."""
-        starting, self._reference_start = self._reference_start, None
-        if starting is not None:
-            with contextlib.suppress(Exception):  # its failure is not this close's
-                starting.result()
+        """Forget a start under way: its process is in the run (spawned at once), so
+        stopping the run ends it, and its waiting thread then ends on the exit."""
+        self._reference_start = None
 
     def _reference_host(self) -> Run:
         assert self._plan is not None

@@ -45,5 +45,5 @@ def test_a_close_while_the_reference_starts_leaves_nothing_running() -> None:
     target = url_target("http://127.0.0.1:9", make_plan(load_checked(TOPOLOGY)))
     target.start_reference_early()
     pgid = reference_pgid(target)
-    target.close()  # waits for the start under way, then stops it
+    target.close()  # the reference, spawned at once, is stopped with the rest
     assert not group_alive(pgid)
