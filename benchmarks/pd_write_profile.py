@@ -25,7 +25,7 @@ import torch
 
 from pdctl.staging import device as dev
 from pdctl.staging.descriptors import KVRows, direct_descriptors, kv_bases
-from pdctl.staging.kernels import page_digests, start_page_digests
+from pdctl.staging.kernels import PendingDigests, start_page_digests
 from pdctl.staging.layout import HeadSlice
 from pdctl.staging.transport import TransportConfig, create_transport
 from pdctl.staging.transport.peer import PeerProcess
@@ -106,26 +106,17 @@ def main() -> None:
 
             src, dst, lengths = descriptors()
 
-            def digests() -> object:
-                return page_digests(
+            def start_digests() -> PendingDigests:  # as the sender starts them
+                return start_page_digests(
                     k_buffers, v_buffers, src_pages, [(0, num_pages)],
                     head_start=0, num_heads=HEADS, page_size=PAGE,
                 )  # fmt: skip
 
+            def digests() -> object:
+                return start_digests().result()
+
             def digests_ten() -> object:  # ten launched back to back: the device's time
-                segments = [(0, num_pages)]
-                pending = [
-                    start_page_digests(
-                        k_buffers,
-                        v_buffers,
-                        src_pages,
-                        segments,
-                        head_start=0,
-                        num_heads=HEADS,
-                        page_size=PAGE,
-                    )
-                    for _ in range(10)
-                ]
+                pending = [start_digests() for _ in range(10)]
                 return pending[-1].result()
 
             def send() -> None:  # what KVSender._direct does
@@ -160,17 +151,8 @@ def main() -> None:
 
                 local = torch.empty(2 * LAYERS * buffer_bytes, dtype=torch.uint8, device=device)
                 local_dst = dst - np.uint64(peer.base) + np.uint64(local.data_ptr())
-                segments = [(0, num_pages)]
                 kernels = {
-                    "page digest kernel": lambda: start_page_digests(
-                        k_buffers,
-                        v_buffers,
-                        src_pages,
-                        segments,
-                        head_start=0,
-                        num_heads=HEADS,
-                        page_size=PAGE,
-                    ),
+                    "page digest kernel": start_digests,
                     "ranges kernel (local target)": lambda: copy_ranges(
                         device, src, local_dst, lengths
                     ),
