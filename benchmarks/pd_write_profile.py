@@ -26,7 +26,9 @@ import torch
 from pdctl.staging import device as dev
 from pdctl.staging.descriptors import KVRows, direct_descriptors, kv_bases
 from pdctl.staging.kernels import PendingDigests, start_page_digests
+from pdctl.staging.kernels.page_write import PeerPages, start_page_write
 from pdctl.staging.layout import HeadSlice
+from pdctl.staging.mapped import MappedPools
 from pdctl.staging.transport import TransportConfig, create_transport
 from pdctl.staging.transport.peer import PeerProcess
 
@@ -124,6 +126,23 @@ def main() -> None:
                 found = digests()
                 writer.write(connection, s, d, n, notify=repr(found).encode()[:60000])
 
+            mapped = MappedPools(writer)
+
+            def start_mapped() -> PendingDigests | None:  # what KVSender._mapped_write launches
+                buffers = mapped.buffers(connection, dst_bases, HEADS, HEAD_DIM, k_buffers[0])
+                if buffers is None:
+                    return None
+                return start_page_write(
+                    k_buffers, v_buffers, src_pages, PeerPages(buffers, dst_pages, 0),
+                    [(0, num_pages)], head_start=0, num_heads=HEADS, page_size=PAGE,
+                )  # fmt: skip
+
+            def mapped_send() -> None:  # the whole of KVSender._mapped_write
+                pending = start_mapped()
+                assert pending is not None
+                found = [d for part in pending.result() for d in part]
+                writer.notify(connection, repr(found).encode()[:60000])
+
             target = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
             source = torch.empty_like(target)
             table = {
@@ -138,6 +157,13 @@ def main() -> None:
                 "send (descriptors + digests + write + notify)": send,
                 "device copy of the same bytes (the bound)": lambda: target.copy_(source),
             }
+            probe = start_mapped()
+            if probe is not None:  # the transport maps the peer's pool: one launch does it all
+                assert probe.result() == start_digests().result(), "mapped write digests differ"
+                table["mapped write: pages + digests, one launch, waited"] = lambda: (
+                    start_mapped().result()  # type: ignore[union-attr]
+                )
+                table["mapped send (KVSender._mapped_write, notify included)"] = mapped_send
             print(
                 f"{nbytes / (1 << 20):g} MiB of KV, {num_pages} pages of {PAGE} tokens, "
                 f"{len(src)} descriptors, {'scattered' if args.scatter else 'contiguous'} pages, "
@@ -158,6 +184,8 @@ def main() -> None:
                     ),
                     "device copy": lambda: target.copy_(source),
                 }
+                if probe is not None:
+                    kernels["page write kernel (store + digests)"] = start_mapped
                 print("  device time (queued behind a sleeping kernel):")
                 for name, function in kernels.items():
                     print(f"    {name:<46} {device_us(device, function):9.1f} us", flush=True)
@@ -165,7 +193,7 @@ def main() -> None:
                 profile = cProfile.Profile()
                 profile.enable()
                 for _ in range(50):
-                    send()
+                    mapped_send() if probe is not None else send()
                 profile.disable()
                 pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
         finally:

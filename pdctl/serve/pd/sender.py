@@ -39,7 +39,9 @@ from pdctl.staging.buffer import init_staging_buffers
 from pdctl.staging.descriptors import KVRows, block_address, direct_descriptors, kv_bases
 from pdctl.staging.digest import block_digests
 from pdctl.staging.kernels import gather_all_layers_to_staging, start_page_digests
+from pdctl.staging.kernels.page_write import PeerPages, start_page_write
 from pdctl.staging.layout import HeadSlice, StagingLayout, head_slices, plan_segments
+from pdctl.staging.mapped import MappedPools
 from pdctl.staging.transport import Peer, Transport, TransportError
 
 log = logging.getLogger("pdctl.serve")
@@ -100,6 +102,7 @@ class KVSender:
             self.buffers.put(buffer)
         transport.register_tensor(kv.kv)  # direct page writes read the pool itself
         self.kv_bases = kv_bases(kv.k_buffers, kv.v_buffers)  # [L0.K, L0.V, L1.K, ...]
+        self.mapped = MappedPools(transport)  # decode pools this transport maps here
         self.peers: dict[str, Peer] = {}
         self.peers_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix=f"pdctl-send-{rank}")
@@ -309,6 +312,10 @@ class KVSender:
     ) -> tuple[int, int]:
         piece = layout.slices[writer]
         peer = self._peer(reg)
+        if not job.faults.corrupt_kv:  # (fault injection goes by descriptors, below)
+            mapped = self._mapped_write(room, pages, reg, layout, writer, peer)
+            if mapped is not None:
+                return mapped, 0
         src, dst, lengths = direct_descriptors(
             self.kv_bases,
             [address for pair in reg.kv_bases for address in pair],
@@ -345,6 +352,38 @@ class KVSender:
             self.transport.write(peer, src, dst, lengths)
             self._corrupt_remote(peer, int(src[0]), int(dst[0]), message())
         return nbytes, 0
+
+    def _mapped_write(
+        self,
+        room: int,
+        pages: list[int],
+        reg: proto.Registration,
+        layout: StagingLayout,
+        writer: int,
+        peer: Peer,
+    ) -> int | None:
+        """Where the transport maps decode's pool here: the pages and their digests in
+        one launch, then the notification alone (None: not mapped, use descriptors)."""
+        first = self.kv.k_buffers[0]
+        if reg.head_dim != first.shape[2] or reg.elem_bytes != first.element_size():
+            return None
+        bases = [address for pair in reg.kv_bases for address in pair]
+        buffers = self.mapped.buffers(peer, bases, reg.kv_heads, reg.head_dim, first)
+        if buffers is None:
+            return None
+        plan, piece = self._plan(pages, layout, reg), layout.slices[writer]
+        pending = start_page_write(
+            self.kv.k_buffers, self.kv.v_buffers, pages,
+            PeerPages(buffers, reg.pages, piece.dst_head_start),
+            [(segment.page_start, segment.num_pages) for segment in plan],
+            head_start=piece.src_head_start, num_heads=piece.num_heads,
+            page_size=self.kv.page_size,
+        )  # fmt: skip
+        digests = [d for part in pending.result() for d in part]  # waits: the bytes are there
+        nbytes = layout.block_bytes(writer, len(pages) * self.kv.page_size)
+        notice = proto.notify_message(room, proto.DIRECT_SEGMENT, self.rank, digests, nbytes)
+        self.transport.notify(peer, notice)
+        return nbytes
 
     def _corrupt_remote(self, peer: Peer, src: int, dst: int, notify: bytes) -> None:
         """Overwrite the byte at `dst` with the byte at `src` (just sent there) flipped."""

@@ -300,15 +300,16 @@ def start_page_digests(
             )
     head_bytes = info.head_dim * info.elem_bytes
     if name == "triton" and kvset.max_word >= 4 and head_bytes % 4 == 0 and segments:
-        from pdctl.staging.kernels.digests import launch_page_digest_sums
+        from pdctl.staging.kernels.digests import PageRows, launch_page_digest_sums
 
         views = kvset.views(4)
         num_cols = num_heads * head_bytes // 4
+        rows = PageRows(
+            _DIGEST_TABLES.get(views), pages, views[0].shape[1], head_start * head_bytes // 4
+        )
         sums = launch_page_digest_sums(
-            _DIGEST_TABLES.get(views), pages, list(segments), num_buffers=len(views),
-            page_size=page_size, row_words=views[0].shape[1],
-            col_start=head_start * head_bytes // 4, num_cols=num_cols,
-        )  # fmt: skip
+            rows, list(segments), num_buffers=len(views), page_size=page_size, num_cols=num_cols
+        )
         words = [count * page_size * num_cols for _, count in segments]
         return PendingDigests(sums, words, len(views))
     pages = pages.to(device=info.device, dtype=torch.int64, non_blocking=True)

@@ -13,6 +13,10 @@ do not depend on their order, so the values are bit-identical to the torch path
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -49,24 +53,36 @@ def digest_sums(words: torch.Tensor) -> list[int]:
     return sums
 
 
-@triton.jit(do_not_specialize=["num_buffers", "page_size", "row_words", "col_start", "blocks"])
+@triton.jit(
+    do_not_specialize=[
+        "num_buffers", "page_size", "row_words", "col_start", "dst_row_words", "dst_col_start",
+        "blocks",
+    ]
+)  # fmt: skip
 def _page_digest_kernel(  # type: ignore[no-untyped-def]
     table_ptr,
     pages_ptr,
+    dst_table_ptr,
+    dst_pages_ptr,
     segments_ptr,
     partial_ptr,
     num_buffers,
     page_size,
     row_words,
     col_start,
+    dst_row_words,
+    dst_col_start,
     blocks,
     NUM_COLS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     """Program (s * num_buffers + b, j): token block j of segment s in buffer b, read in
     place from its pages; word i of the chunk the gather would make is token t's column
-    c (i = t * NUM_COLS + c), weighted 2 i + 1."""
+    c (i = t * NUM_COLS + c), weighted 2 i + 1. With STORE, each word read is also
+    stored at the same token's row of the target's page, columns from dst_col_start
+    (the write and its digest in one read)."""
     slot = tl.program_id(0)
     segment = slot // num_buffers
     buffer = slot % num_buffers
@@ -77,55 +93,101 @@ def _page_digest_kernel(  # type: ignore[no-untyped-def]
     page = tl.load(pages_ptr + page_start + tokens // page_size, mask=token_mask, other=0)
     rows = (page.to(tl.int64) * page_size + tokens % page_size) * row_words + col_start
     base = tl.load(table_ptr + buffer).to(tl.pointer_type(tl.int32))
+    if STORE:
+        dst_page = tl.load(dst_pages_ptr + page_start + tokens // page_size, mask=token_mask)
+        dst_rows = (dst_page.to(tl.int64) * page_size + tokens % page_size) * dst_row_words
+        dst_rows += dst_col_start
+        dst_base = tl.load(dst_table_ptr + buffer).to(tl.pointer_type(tl.int32))
     total = tl.zeros([BLOCK_T], dtype=tl.int64)
     for c in tl.static_range(0, NUM_COLS, BLOCK_C):
         cols = c + tl.arange(0, BLOCK_C)
         mask = token_mask[:, None] & (cols < NUM_COLS)[None, :]
         x = tl.load(base + rows[:, None] + cols[None, :], mask=mask, other=0)
+        if STORE:
+            tl.store(dst_base + dst_rows[:, None] + cols[None, :], x, mask=mask)
         index = tokens[:, None] * NUM_COLS + cols[None, :]
         total += tl.sum(x.to(tl.int64) * (index * 2 + 1), axis=1)
     tl.store(partial_ptr + slot * blocks + tl.program_id(1), tl.sum(total, axis=0))
 
 
-_PAGE_DIGESTS = DirectLauncher(_page_digest_kernel, ("NUM_COLS", "BLOCK_T", "BLOCK_C"))
+_PAGE_DIGESTS = DirectLauncher(_page_digest_kernel, ("NUM_COLS", "BLOCK_T", "BLOCK_C", "STORE"))
+
+
+@dataclass(frozen=True)
+class PageRows:
+    """Where the words of a page launch lie: per buffer (staging order) its base
+    address in a [N] int64 table on the device, every token row `row_words` int32
+    words, the slice's first word `col_start`; `pages` the host page ids."""
+
+    table: torch.Tensor
+    pages: np.ndarray | torch.Tensor  # host ids, or ids already on the device
+    row_words: int
+    col_start: int
 
 
 def launch_page_digest_sums(
-    table: torch.Tensor,
-    pages: torch.Tensor,
+    source: PageRows,
     segments: list[tuple[int, int]],
     *,
     num_buffers: int,
     page_size: int,
-    row_words: int,
-    col_start: int,
     num_cols: int,
+    target: PageRows | None = None,
 ) -> torch.Tensor:
     """Per segment (page_start, num_pages), each buffer's weighted sum over the int32
     words of columns [col_start, +num_cols) of the segment's token rows, as a
     [segments * buffers] int64 tensor on the device, enqueued on the current stream.
+    With a target, the same words are stored into the target's rows (its pages pair
+    with the source's one for one) by the same launch.
 
-    Host page ids go up with the segment table in one copy (device ids are used as
-    they are); nothing here waits for the device.
+    The segment table and page ids go up in one copy; nothing here waits for the device.
     """
-    device = table.device
+    device = source.table.device
     block_c = min(triton.next_power_of_2(num_cols), 1024)
     block_t = max(1, min(4096 // block_c, 256))
     longest = max(num_pages for _, num_pages in segments) * page_size
     blocks = triton.cdiv(longest, block_t)
-    flat = [value for start, count in segments for value in (start, count * page_size)]
-    if pages.device.type == "cpu":  # one upload: [segments (start, tokens) ..., page ids ...]
-        host = torch.cat([torch.tensor(flat, dtype=torch.int64), pages.to(torch.int64)])
-        uploaded = host.to(device, non_blocking=True)
-        described, pages = uploaded[: len(flat)], uploaded[len(flat) :]
-    else:
-        described = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+    flat = np.array(segments, dtype=np.int64).reshape(-1, 2)
+    flat[:, 1] *= page_size
+    described, pages, dst_pages = _upload(
+        device, [flat.reshape(-1), source.pages, None if target is None else target.pages]
+    )
     slots = len(segments) * num_buffers
     partial = torch.empty(slots, blocks, dtype=torch.int64, device=device)  # every one written
-    ints = (num_buffers, page_size, row_words, col_start, blocks)
+    if target is None:
+        dst_table, dst_pages, dst_row_words, dst_col_start = source.table, pages, 0, 0
+    else:
+        dst_table, dst_row_words, dst_col_start = target.table, target.row_words, target.col_start
+    pointers = (source.table, pages, dst_table, dst_pages, described, partial)
+    ints = (
+        num_buffers, page_size, source.row_words, source.col_start, dst_row_words,
+        dst_col_start, blocks,
+    )  # fmt: skip
     with dev.device_context(device):  # Triton launches on the thread's current device
         _PAGE_DIGESTS(
-            (slots, blocks, 1), (table, pages, described, partial), ints,
-            (num_cols, block_t, block_c), 8,
-        )  # fmt: skip
+            (slots, blocks, 1), pointers, ints, (num_cols, block_t, block_c, target is not None), 8
+        )
     return partial.sum(dim=1)
+
+
+def _upload(device: torch.device, parts: list[np.ndarray | torch.Tensor | None]) -> list[Any]:
+    """Integer arrays as int64 tensors on `device`: the host ones in one copy, those
+    already on the device as they are (None stays None)."""
+    host = [
+        np.asarray(part, dtype=np.int64).reshape(-1)
+        for part in parts
+        if part is not None and not (isinstance(part, torch.Tensor) and part.device == device)
+    ]
+    joined = torch.from_numpy(np.concatenate(host)) if host else None
+    if joined is not None and device.type != "cpu":
+        joined = joined.to(device, non_blocking=True)
+    out: list[Any] = []
+    offset = 0
+    for part in parts:
+        if part is None or (isinstance(part, torch.Tensor) and part.device == device):
+            out.append(None if part is None else part.to(torch.int64))
+            continue
+        assert joined is not None
+        out.append(joined[offset : offset + len(part)])
+        offset += len(part)
+    return out

@@ -16,6 +16,13 @@ Ownership and reuse:
   builtin transport calls it after its same-host copy, so work the notification
   needs (digests of the pages being written) runs beside the copy.
 
+Mapped writes: where a transport reaches a peer's device memory through a mapping
+in this process (same-host device IPC), `mapped_view` gives that memory as a tensor
+here, so a kernel can write it directly (with its digests in the same pass); the
+caller then sends `notify`, which, like a write's notification, travels after the
+bytes (the caller has synchronized the kernel first). Transports without mappings
+return None and the caller writes through `write`.
+
 Every wait is bounded by the configured timeouts: a dead, unreachable or stalled
 peer raises a `TransportError` naming the peer, never hangs. Nothing received from
 the network is unpickled: descriptions are JSON, frames are fixed binary headers.
@@ -327,6 +334,16 @@ class Transport(ABC):
             self._write_sync(peer, descriptors, notify)
         finally:
             self._tls.located = None  # the lookups served this call only
+
+    def mapped_view(self, peer: Peer, address: int) -> torch.Tensor | None:
+        """The peer's registered device memory from `address` to the end of its region,
+        as a uint8 tensor of this process, where this transport maps it (see the module
+        docstring); None where it does not. Valid while the peer stays connected."""
+        return None
+
+    def notify(self, peer: Peer, notice: bytes) -> None:
+        """Send a notification alone, after bytes written through `mapped_view`."""
+        raise TransportError(f"{self.config.name}: maps no peer memory, so writes carry notices")
 
     def _checked(
         self,

@@ -296,6 +296,24 @@ class TcpTransport(Transport):
         message = notice_bytes(notify)
         self._on_connection(peer, lambda c: self._send(c, peer, route, descriptors, message))
 
+    def mapped_view(self, peer: Peer, address: int) -> Any:
+        mapped: dict[int, Any] = peer.state.get("device") or {}
+        if not mapped or peer.state.get("pidfd") is None:
+            return None  # another host, or no device IPC: writes go through `write`
+        self._check_alive(peer)
+        for region in peer.index.regions:
+            if region.ptr in mapped and region.ptr <= address < region.ptr + region.length:
+                return mapped[region.ptr][address - region.ptr :]
+        return None
+
+    def notify(self, peer: Peer, notice: bytes) -> None:
+        if self._closed:
+            raise TransportError(f"{self.config.name}: the transport is closed")
+        message = notice_bytes(notice)
+        assert message is not None
+        self._check_alive(peer)
+        self._on_connection(peer, lambda c: wire.send_frame(c.sock, wire.NOTIFY, payload=message))
+
     def _on_connection(self, peer: Peer, action: Callable[[Connection], None]) -> None:
         """`action` on a pooled connection to `peer`; a connection that failed is closed."""
         connection = self._acquire(peer)

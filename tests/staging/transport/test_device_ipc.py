@@ -66,3 +66,38 @@ def test_device_writes_between_processes_on_one_gpu(same_host: bool) -> None:
                 assert peer.sha256(slot * each, each) == _sha(source[i * each : (i + 1) * each])
         finally:
             writer.close()
+
+
+def test_host_memory_peers_are_not_mapped() -> None:
+    """A CPU peer on this host: writes keep their descriptors; there is no view to give."""
+    with PeerProcess("tcp", 4096, secret=SECRET) as peer:
+        writer = create_transport("tcp", TransportConfig("map-cpu", secret=SECRET))
+        try:
+            writer.register_tensor(torch.zeros(4096, dtype=torch.uint8))
+            connection = writer.connect(peer.description)
+            assert writer.mapped_view(connection, peer.base) is None
+        finally:
+            writer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
+def test_a_mapped_view_is_the_peers_memory_and_a_notice_follows() -> None:
+    size = 8 << 20
+    generator = torch.Generator().manual_seed(9)
+    source = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator).cuda()
+    with PeerProcess("tcp", size, device="cuda", secret=SECRET) as peer:
+        writer = create_transport("tcp", TransportConfig("map-writer", secret=SECRET))
+        try:
+            writer.register_tensor(source)
+            connection = writer.connect(peer.description)
+            view = writer.mapped_view(connection, peer.base + 4096)
+            assert view is not None and view.numel() == size - 4096  # to its region's end
+            assert writer.mapped_view(connection, peer.base + size) is None  # past the region
+            view[: 1 << 20].copy_(source[: 1 << 20])
+            torch.cuda.synchronize()
+            writer.notify(connection, b"landed")
+            assert "peer" in peer.wait_notification(b"landed", 10.0)
+            assert peer.sha256(4096, 1 << 20) == _sha(source[: 1 << 20])
+        finally:
+            writer.close()

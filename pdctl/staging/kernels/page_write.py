@@ -1,0 +1,228 @@
+"""A direct KV write and its page digests in one read of the bytes.
+
+Between two processes of one host whose transport maps the peer's device memory
+here (`Transport.mapped_view`), a request's KV need not go through descriptors and
+a copy followed by a second pass that digests the source: one launch reads each
+word of the slice once, stores it at the peer's row and adds it to the segment's
+digest, the value `page_digests` gives for the source and the peer computes over
+the pages it received. With Triton that is the page-digest kernel with its store
+on (`digests.launch_page_digest_sums(target=...)`); elsewhere the torch reference
+copies, then digests. Both leave the same bytes and the same digests.
+
+    source row t (page p, slot i):  | .. | heads [head_start, +num_heads) | .. |  src heads
+    target row t' (page q, slot i): | .. | heads [target.head_start, +n)   | .. |  dst heads
+
+What this does not know: how the peer's memory was mapped, or who is told.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdctl.staging.kernels import (
+    _DIGEST_TABLES,
+    PageIndices,
+    PendingDigests,
+    _backend_for,
+    _check_heads,
+    _check_host_pages,
+    checked_pages,
+    prepare_kv,
+    start_page_digests,
+)
+from pdctl.staging.kernels.kvset import KVInfo
+
+
+@dataclass(frozen=True)
+class PeerPages:
+    """A direct write's destination, as this process sees it.
+
+    `buffers`: the peer's KV buffers in staging order (k0, v0, k1, v1, ...), each
+    [pool_tokens, heads, head_dim] of the source's dtype (give the same list object
+    on every call: it keys the cached pointer table); `pages`: the peer's page for
+    each source page; `head_start`: the peer's first head the slice lands on.
+    """
+
+    buffers: Sequence[torch.Tensor]
+    pages: PageIndices
+    head_start: int
+
+
+@dataclass(frozen=True)
+class _Checked:
+    table: torch.Tensor  # [buffers] int64 addresses of the int32 views
+    views: list[torch.Tensor]  # [pool_tokens, row_words] int32
+    num_heads: int
+    num_pages: int
+
+
+def _check_target(
+    buffers: Sequence[torch.Tensor], info: KVInfo, dtype: torch.dtype, page_size: int
+) -> _Checked:
+    if len(buffers) != 2 * info.num_layers:
+        raise ValueError(
+            f"the target has {len(buffers)} buffers; the source's {info.num_layers} layers "
+            f"need {2 * info.num_layers} (K and V each)"
+        )
+    first = buffers[0]
+    for i, buffer in enumerate(buffers):
+        if (
+            buffer.dim() != 3
+            or buffer.dtype != dtype
+            or buffer.device != info.device
+            or buffer.shape != first.shape
+            or buffer.shape[2] != info.head_dim
+            or not buffer.is_contiguous()
+        ):
+            raise ValueError(
+                f"target buffer {i} is {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}; "
+                f"every one must be a contiguous [pool_tokens, heads, {info.head_dim}] "
+                f"{dtype} on {info.device}"
+            )
+    if first.shape[0] % page_size:
+        raise ValueError(f"target pool of {first.shape[0]} tokens is not whole {page_size}-pages")
+    views = [b.view(b.shape[0], -1).view(torch.int32) for b in buffers]
+    return _Checked(
+        _DIGEST_TABLES.get(views), views, int(first.shape[1]), first.shape[0] // page_size
+    )
+
+
+_TARGET_LOCK = threading.Lock()
+_CHECKED: dict[tuple[int, int], tuple[Sequence[torch.Tensor], _Checked]] = {}
+
+
+def _target(
+    buffers: Sequence[torch.Tensor], info: KVInfo, dtype: torch.dtype, page_size: int
+) -> _Checked:
+    """The checked target for this buffer list (checked once per list and page size)."""
+    key = (id(buffers), page_size)
+    with _TARGET_LOCK:
+        entry = _CHECKED.get(key)
+    if entry is not None and entry[0] is buffers:
+        return entry[1]
+    checked = _check_target(buffers, info, dtype, page_size)
+    with _TARGET_LOCK:
+        if len(_CHECKED) >= 64:
+            _CHECKED.pop(next(iter(_CHECKED)))
+        _CHECKED[key] = (buffers, checked)
+    return checked
+
+
+def start_page_write(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: PageIndices,
+    target: PeerPages,
+    segments: Sequence[tuple[int, int]],
+    *,
+    head_start: int,
+    num_heads: int,
+    page_size: int,
+    backend: str | None = None,
+) -> PendingDigests:
+    """Heads [head_start, +num_heads) of every layer's K and V for `page_indices`
+    written into the target's pages, and each segment's (page_start, num_pages) page
+    digests of what was written. Triton: one launch on the current stream; the bytes
+    are in place once `result()` returns. Elsewhere the copies and digests are done
+    when this returns."""
+    kvset = prepare_kv(k_buffers, v_buffers)
+    info = kvset.info
+    _check_heads(head_start, num_heads, info, "source")
+    checked = _target(target.buffers, info, k_buffers[0].dtype, page_size)
+    if num_heads < 1 or target.head_start < 0 or target.head_start + num_heads > checked.num_heads:
+        raise ValueError(
+            f"target heads [{target.head_start}, {target.head_start + num_heads}) are outside "
+            f"the target's {checked.num_heads} KV heads"
+        )
+    pages = checked_pages(page_indices, page_size, info)
+    dst_pages = torch.as_tensor(target.pages)
+    if dst_pages.dim() != 1 or dst_pages.numel() != pages.numel():
+        raise ValueError(
+            f"the target names {dst_pages.numel()} pages for the source's {pages.numel()}"
+        )
+    if dst_pages.device.type == "cpu" and dst_pages.numel():
+        _check_host_pages(dst_pages.numpy(), checked.num_pages)
+    head_bytes = info.head_dim * info.elem_bytes
+    name = _backend_for(info, backend)
+    if name == "triton" and kvset.max_word >= 4 and head_bytes % 4 == 0 and segments:
+        word_cols = (head_start * head_bytes // 4, target.head_start * head_bytes // 4)
+        num_cols = num_heads * head_bytes // 4
+        return _launch(
+            kvset.views(4), checked, (pages, dst_pages), segments, page_size, word_cols, num_cols
+        )
+    write_pages_reference(
+        k_buffers, v_buffers, pages, target, head_start=head_start, num_heads=num_heads,
+        page_size=page_size,
+    )  # fmt: skip
+    return start_page_digests(
+        k_buffers, v_buffers, pages, segments, head_start=head_start, num_heads=num_heads,
+        page_size=page_size, backend=name,
+    )  # fmt: skip
+
+
+def _launch(
+    views: list[torch.Tensor],
+    checked: _Checked,
+    page_lists: tuple[torch.Tensor, torch.Tensor],
+    segments: Sequence[tuple[int, int]],
+    page_size: int,
+    col_starts: tuple[int, int],
+    num_cols: int,
+) -> PendingDigests:
+    """The Triton path: source and target (page ids, first int32 column) in one launch."""
+    pages, dst_pages = page_lists
+    from pdctl.staging.kernels.digests import PageRows, launch_page_digest_sums
+
+    for start, count in segments:
+        if start < 0 or count < 1 or start + count > pages.numel():
+            raise ValueError(
+                f"segment of pages [{start}, {start + count}) is outside the {pages.numel()} pages"
+            )
+    source = PageRows(_DIGEST_TABLES.get(views), _host(pages), views[0].shape[1], col_starts[0])
+    target = PageRows(checked.table, _host(dst_pages), checked.views[0].shape[1], col_starts[1])
+    sums = launch_page_digest_sums(
+        source, list(segments), num_buffers=len(views), page_size=page_size, num_cols=num_cols,
+        target=target,
+    )  # fmt: skip
+    words = [count * page_size * num_cols for _, count in segments]
+    return PendingDigests(sums, words, len(views))
+
+
+def _host(pages: torch.Tensor) -> np.ndarray | torch.Tensor:
+    return pages.numpy() if pages.device.type == "cpu" else pages
+
+
+def write_pages_reference(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: PageIndices,
+    target: PeerPages,
+    *,
+    head_start: int,
+    num_heads: int,
+    page_size: int,
+) -> None:
+    """The write alone, in torch: every buffer's slice rows copied page for page."""
+    sources = [b for pair in zip(k_buffers, v_buffers, strict=True) for b in pair]
+    device = sources[0].device
+    src = torch.as_tensor(page_indices).to(device=device, dtype=torch.int64)
+    dst = torch.as_tensor(target.pages).to(device=device, dtype=torch.int64)
+    offsets = torch.arange(page_size, device=device)
+    src_rows = (src[:, None] * page_size + offsets).reshape(-1)
+    dst_rows = (dst[:, None] * page_size + offsets).reshape(-1)
+    low, high = target.head_start, target.head_start + num_heads
+    for source, buffer in zip(sources, target.buffers, strict=True):
+        words, into = _bytes(source), _bytes(buffer)  # bit patterns, never values
+        into[dst_rows, low:high] = words.index_select(0, src_rows)[
+            :, head_start : head_start + num_heads
+        ]
+
+
+def _bytes(buffer: torch.Tensor) -> torch.Tensor:
+    """[tokens, heads, head_dim] -> the same memory as [tokens, heads, head_bytes] uint8."""
+    return buffer.view(torch.uint8).view(buffer.shape[0], buffer.shape[1], -1)

@@ -1,0 +1,142 @@
+"""The direct page write (copy and digests in one read) against the torch reference, bit for bit.
+
+The Triton kernel runs interpreted on the CPU here; the target buffers stand in for a
+peer's pool mapped into this process (on a GPU, `Transport.mapped_view` gives them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdctl.staging.kernels import page_digests
+from pdctl.staging.kernels.page_write import PeerPages, start_page_write, write_pages_reference
+from tests.staging.kv_factory import as_bits, random_kv, random_pages
+
+CUDA = torch.cuda.is_available()
+
+
+def _target(layers: int, pool_pages: int, page_size: int, heads: int, head_dim: int, dtype, device):
+    k, v = random_kv(layers, pool_pages * page_size, heads, head_dim, dtype, 99, device)
+    return [b for pair in zip(k, v, strict=True) for b in pair]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "page_size", "src_split", "dst_split", "segments"),
+    [
+        (torch.bfloat16, 1, (8, 4, 4), (4, 0), [(0, 6)]),  # TP1 -> TP2: the upper half
+        (torch.bfloat16, 4, (8, 0, 8), (8, 0), [(0, 2), (2, 3), (5, 1)]),  # whole rows
+        (torch.float32, 16, (4, 1, 2), (2, 0), [(0, 1), (1, 5)]),  # TP2 -> TP1 style
+        (torch.float16, 2, (2, 1, 1), (4, 3), [(3, 3), (0, 3)]),  # into a wider row
+    ],
+)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_page_write_lands_the_reference_bytes_with_their_digests(
+    dtype, page_size, src_split, dst_split, segments, backend
+) -> None:
+    heads, start, count = src_split
+    dst_heads, dst_start = dst_split
+    layers, pool_pages, head_dim = 3, 10, 16
+    k, v = random_kv(layers, pool_pages * page_size, heads, head_dim, dtype, 7, "cpu")
+    pages = random_pages(pool_pages, 6, 7)
+    dst_pages = random_pages(12, 6, 8)
+    got = _target(layers, 12, page_size, dst_heads, head_dim, dtype, "cpu")
+    expected = [b.clone() for b in got]
+    write_pages_reference(
+        k, v, pages, PeerPages(expected, dst_pages, dst_start), head_start=start,
+        num_heads=count, page_size=page_size,
+    )  # fmt: skip
+    pending = start_page_write(
+        k, v, pages, PeerPages(got, dst_pages, dst_start), segments, head_start=start,
+        num_heads=count, page_size=page_size, backend=backend,
+    )  # fmt: skip
+    digests = pending.result()
+    for landed, wanted in zip(got, expected, strict=True):
+        assert torch.equal(as_bits(landed), as_bits(wanted))
+    assert digests == page_digests(
+        k, v, pages, segments, head_start=start, num_heads=count, page_size=page_size
+    )
+    landed_k, landed_v = got[0::2], got[1::2]  # what the peer computes over its pages
+    assert digests == page_digests(
+        landed_k, landed_v, dst_pages, segments, head_start=dst_start, num_heads=count,
+        page_size=page_size,
+    )  # fmt: skip
+    untouched = torch.ones(12 * page_size, dtype=torch.bool)
+    for page in dst_pages.tolist():
+        untouched[page * page_size : (page + 1) * page_size] = False
+    fresh = _target(layers, 12, page_size, dst_heads, head_dim, dtype, "cpu")
+    for landed, before in zip(got, fresh, strict=True):  # rows of other pages keep their bits
+        assert torch.equal(as_bits(landed)[untouched], as_bits(before)[untouched])
+
+
+def test_the_reference_really_moves_the_slice() -> None:
+    k, v = random_kv(1, 8, 4, 16, torch.float32, 3, "cpu")
+    target = _target(1, 8, 1, 2, 16, torch.float32, "cpu")
+    write_pages_reference(
+        k, v, [5], PeerPages(target, [2], 0), head_start=2, num_heads=2, page_size=1
+    )
+    bits = [as_bits(t) for t in target]
+    assert torch.equal(bits[0][2], as_bits(k[0])[5, 2:4])
+    assert torch.equal(bits[1][2], as_bits(v[0])[5, 2:4])
+    assert not torch.equal(bits[0][3], as_bits(k[0])[5, 2:4])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(dst_pages=[0, 1]), "the target names 2 pages for the source's 3"),
+        (dict(dst_pages=[0, 1, 1]), "page index 1 appears more than once"),
+        (dict(dst_pages=[0, 1, 8]), "page index 8 is outside the pool's 8 pages"),
+        (dict(dst_start=1), r"target heads \[1, 3\) are outside the target's 2 KV heads"),
+        (dict(layers=2), "the target has 4 buffers; the source's 1 layers need 2"),
+        (dict(dtype=torch.float16), "every one must be a contiguous"),
+    ],
+)
+def test_a_bad_target_is_refused_before_any_byte_moves(change, message) -> None:
+    k, v = random_kv(1, 8, 2, 16, torch.float32, 1, "cpu")
+    target = _target(1, 8, 1, 2, 16, change.get("dtype", torch.float32), "cpu")
+    if change.get("layers") == 2:
+        target = target + target  # K and V for two layers: one layer too many
+    before = [b.clone() for b in target]
+    with pytest.raises(ValueError, match=message):
+        start_page_write(
+            k, v, [0, 1, 2], PeerPages(target, change.get("dst_pages", [3, 4, 5]),
+            change.get("dst_start", 0)), [(0, 3)], head_start=0, num_heads=2, page_size=1,
+            backend="triton",
+        )  # fmt: skip
+    assert all(torch.equal(as_bits(a), as_bits(b)) for a, b in zip(target, before, strict=True))
+
+
+def test_a_changed_bit_changes_its_segment_digest_only() -> None:
+    k, v = random_kv(2, 16, 2, 16, torch.bfloat16, 4, "cpu")
+    target = _target(2, 16, 4, 2, 16, torch.bfloat16, "cpu")
+    args = dict(head_start=0, num_heads=2, page_size=4, backend="triton")
+    first = start_page_write(k, v, [0, 1], PeerPages(target, [2, 3], 0), [(0, 1), (1, 1)], **args)
+    before = first.result()
+    as_bits(v[1])[5, 1, 2] ^= 1  # page 1 (segment 1), layer 1's V
+    again = start_page_write(k, v, [0, 1], PeerPages(target, [2, 3], 0), [(0, 1), (1, 1)], **args)
+    after = again.result()
+    assert after[0] == before[0]
+    assert after[1][3] != before[1][3] and after[1][:3] == before[1][:3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
+def test_page_write_on_the_device_equals_the_host_reference() -> None:
+    k, v = random_kv(16, 64 * 16, 8, 128, torch.bfloat16, 5, "cpu")
+    pages, dst_pages = random_pages(64, 40, 5), random_pages(64, 40, 6)
+    segments = [(0, 16), (16, 16), (32, 8)]
+    host_target = _target(16, 64, 16, 4, 128, torch.bfloat16, "cpu")
+    device_target = [b.cuda() for b in host_target]
+    write_pages_reference(
+        k, v, pages, PeerPages(host_target, dst_pages, 0), head_start=4, num_heads=4, page_size=16
+    )
+    kc, vc = [t.cuda() for t in k], [t.cuda() for t in v]
+    pending = start_page_write(
+        kc, vc, pages, PeerPages(device_target, dst_pages, 0), segments, head_start=4,
+        num_heads=4, page_size=16,
+    )  # fmt: skip
+    digests = pending.result()
+    assert digests == page_digests(k, v, pages, segments, head_start=4, num_heads=4, page_size=16)
+    for landed, wanted in zip(device_target, host_target, strict=True):
+        assert torch.equal(as_bits(landed.cpu()), as_bits(wanted))
