@@ -72,6 +72,10 @@ def test_imports_follow_the_package_map(path: Path) -> None:
 SERVE_PARTS: dict[str, set[str]] = {
     "model": set(),
     "engine": {"model", "faults", "tokenizer"},
+    # the HTTP layer: the engine's requests, never a role's internals or the model
+    "api": {"engine", "multimodal", "tokenizer"},
+    # the router: the API's torch-free errors and guards only, never the engine
+    "router": {"api", "args", "faults", "roles", "runtime"},
 }
 
 
@@ -116,7 +120,7 @@ def test_cli_commands_do_not_import_torch() -> None:
 def test_the_router_starts_without_torch() -> None:
     """The router and the server entry point for it import no torch (1.2 s of start-up)."""
     code = (
-        "import sys, pdctl.serve.router, pdctl.serve.__main__, pdctl.serve.guards; "
+        "import sys, pdctl.serve.router, pdctl.serve.__main__, pdctl.serve.api.guards; "
         "print('torch' in sys.modules)"
     )
     result = subprocess.run(
@@ -177,6 +181,19 @@ def test_nothing_from_the_network_is_unpickled() -> None:
         if banned.search(line) or ("torch.load(" in line and "weights_only=True" not in line)
     ]
     assert found == []
+
+
+def test_http_layer_functions_stay_under_80_lines() -> None:
+    """The HTTP API and the router read part by part: no function over 80 lines."""
+    long = []
+    for folder in ("serve/api", "serve/router"):
+        for path in sorted((PACKAGE / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if length > 80:
+                        long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}")
+    assert long == []
 
 
 def test_verify_functions_stay_under_80_lines() -> None:

@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
-from pdctl.serve.guards import guard_json_depth, refuse_oversized
+from pdctl.serve.api.guards import guard_json_depth, refuse_oversized
 from pdctl.serve.pd.client import refuse_unless_authorized
 from pdctl.serve.pd.embeddings import EmbeddingError, EmbeddingReceiver
 from pdctl.serve.pd.protocol import (

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pdctl.serve.http import ServerContext, create_app
+from pdctl.serve.api.app import create_app
+from pdctl.serve.api.submission import ServerContext
 from pdctl.serve.roles.common import build_engine, in_process_encoder, serve, server_info
 from pdctl.serve.runtime import Rank
 

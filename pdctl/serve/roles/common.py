@@ -15,11 +15,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from pdctl.serve import tp as tensor_parallel
+from pdctl.serve.api.submission import ServerContext
 from pdctl.serve.engine.kv_pool import ReqToToken
 from pdctl.serve.engine.loop import Engine, PDHooks
 from pdctl.serve.engine.radix import RadixCache
 from pdctl.serve.engine.scheduler import Budget, Scheduler
-from pdctl.serve.http import ServerContext
 from pdctl.serve.model import ops
 from pdctl.serve.runtime import Rank, rank_forward, stop_ranks
 

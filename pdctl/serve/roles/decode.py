@@ -19,11 +19,13 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
 from pdctl.serve import tp as tensor_parallel
+from pdctl.serve.api.app import create_app
+from pdctl.serve.api.errors import BadRequest
+from pdctl.serve.api.submission import ServerContext
 from pdctl.serve.bootstrap import json_object
 from pdctl.serve.engine.loop import Engine
 from pdctl.serve.engine.request import Request
 from pdctl.serve.engine.sampling import TokenChoice
-from pdctl.serve.http import BadRequest, ServerContext, create_app
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import (
     Client,

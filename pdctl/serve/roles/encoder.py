@@ -29,8 +29,10 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
+from pdctl.serve.api.errors import error_body
+from pdctl.serve.api.guards import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
+from pdctl.serve.api.schemas import GenerateBody
 from pdctl.serve.faults import faults
-from pdctl.serve.guards import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
 from pdctl.serve.model.encoder import EncoderModel
 from pdctl.serve.multimodal import PromptError, digest_of, encode_prompt, images_of
 from pdctl.serve.pd.client import Client, PeerCallError, warn_if_no_secret
@@ -38,7 +40,6 @@ from pdctl.serve.pd.endpoint import make_transport
 from pdctl.serve.roles.common import run_servers, server_info
 from pdctl.serve.runtime import DTYPES, Rank, stop_ranks
 from pdctl.serve.runtime import run_worker as run_tp_worker
-from pdctl.serve.schemas import GenerateBody, error_body
 from pdctl.serve.tp import float_bits, from_float_bits
 from pdctl.staging.buffer import StagingBuffer
 from pdctl.staging.embedding_pool import synchronize_before_send

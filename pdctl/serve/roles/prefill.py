@@ -13,12 +13,14 @@ import threading
 from typing import Any
 
 from pdctl.serve import tp as tensor_parallel
+from pdctl.serve.api.app import create_app
+from pdctl.serve.api.errors import BadRequest
+from pdctl.serve.api.submission import ServerContext
 from pdctl.serve.args import ServerArgs
 from pdctl.serve.bootstrap import BootstrapError, Rooms, bootstrap_app
 from pdctl.serve.engine.loop import Engine
 from pdctl.serve.engine.request import Request
 from pdctl.serve.engine.sampling import TokenChoice
-from pdctl.serve.http import BadRequest, ServerContext, create_app
 from pdctl.serve.multimodal import PromptError, check_items, splices
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import Client, run_secret, warn_if_no_secret

@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
-from pdctl.serve.schemas import error_body
+from pdctl.serve.api.errors import error_body
 
 MAX_BODY_BYTES = 16 << 20
 

@@ -1,14 +1,17 @@
-"""Request bodies of the HTTP API (SGLang's /generate, OpenAI's /v1/completions).
+"""Request bodies of SGLang's /generate (OpenAI's are in openai_schemas.py).
 
 Unknown sampling keys are errors (a misspelt `max_new_token` must not silently use
-the default); top-level keys SGLang clients and routers add are accepted.
+the default); top-level keys SGLang clients and routers add are accepted. Penalties
+and `n` are accepted at their neutral value only (fields.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from pdctl.serve.api.fields import check_neutral
 
 MAX_TOP_LOGPROBS = 20
 
@@ -24,11 +27,23 @@ class SamplingBody(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    no_stop_trim: bool = False  # keep a matched stop string at the end of the text
     # accepted for compatibility, without effect here
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    n: int = Field(1, ge=1, le=1)
+    # accepted at their neutral value only (fields.py)
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+
+    @field_validator(
+        "n", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens"
+    )
+    @classmethod
+    def _neutral(cls, value: object, info: ValidationInfo) -> object:
+        return check_neutral(str(info.field_name), value)
 
     @field_validator("top_k")
     @classmethod
@@ -62,36 +77,3 @@ class GenerateBody(BaseModel):
     images: list[Any] | None = Field(None, max_length=8)
     mm_items: list[dict[str, int]] | None = Field(None, max_length=8)
     embedding_room: int | None = Field(None, ge=0, le=2**63 - 1)
-
-
-class CompletionBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=0, le=1_000_000)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stream: bool = False
-    stop: str | list[str] | None = None
-    logprobs: int | None = Field(None, ge=0, le=5)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    n: int = Field(1, ge=1, le=1)
-    echo: bool = Field(False)
-    user: str | None = None
-    ignore_eos: bool = False
-    bootstrap_host: str | None = Field(None, max_length=255)
-    bootstrap_port: int | None = Field(None, ge=1, le=65535)
-    bootstrap_room: int | None = Field(None, ge=0, le=2**63 - 1)
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
-
-
-def error_body(message: str, param: str | None = None, status: int = 400) -> dict[str, Any]:
-    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

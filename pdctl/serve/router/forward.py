@@ -1,0 +1,213 @@
+"""How the router forwards one request: to a prefill and a decode server at once, with
+`bootstrap_host`, `bootstrap_port` and a random 63-bit `bootstrap_room` added (an EPD
+request goes to an encoder first). Decode's answer is the client's (streams pass
+through); prefill's adds its side of the KV transfer. When a side fails, the error
+names that side and the other side's request is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from pdctl.serve.api.errors import error_body
+from pdctl.serve.router.workers import RouterState, Worker
+
+
+class SideFailed(Exception):
+    """A worker failed a request (side None: the router itself refused it)."""
+
+    def __init__(self, side: Worker | None, message: str, status: int = 502) -> None:
+        text = f"{side.role} {side.url} failed: {message}" if side else f"router: {message}"
+        super().__init__(text)
+        self.side, self.message, self.status = side, message, status
+
+    def paired_with(self, other: Worker) -> SideFailed:
+        """The same failure, naming the other side of the request too (which decode a
+        prefill waited for is often the real culprit)."""
+        return SideFailed(
+            self.side, f"{self.message} (the request's {other.role}: {other.url})", self.status
+        )
+
+
+async def _post(
+    client: httpx.AsyncClient, worker: Worker, path: str, body: dict[str, Any]
+) -> httpx.Response:
+    try:
+        response = await client.post(f"{worker.url}{path}", json=body)
+    except httpx.HTTPError as exc:
+        raise SideFailed(worker, f"{type(exc).__name__}: {exc}") from None
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("error", {}).get("message", response.text)
+        except (ValueError, AttributeError):
+            detail = response.text
+        status = response.status_code if response.status_code < 500 else 502
+        raise SideFailed(worker, f"{response.status_code} {detail}", status)
+    return response
+
+
+def _with_bootstrap(body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
+    return {
+        **body,
+        "bootstrap_host": prefill.host,
+        "bootstrap_port": prefill.bootstrap_port,
+        "bootstrap_room": secrets.randbits(63),
+    }
+
+
+def split_batch(body: dict[str, Any], key: str) -> list[dict[str, Any]] | None:
+    """A batch body as one body per prompt, or None when it is one prompt."""
+    value = body.get(key)
+    if key == "input_ids" and isinstance(value, list) and value and isinstance(value[0], list):
+        return [{**body, key: item} for item in value]
+    if (
+        key in ("text", "prompt")
+        and isinstance(value, list)
+        and value
+        and all(isinstance(v, (str, list)) for v in value)
+    ):
+        if key == "prompt" and all(isinstance(v, int) for v in value):
+            return None
+        return [{**body, key: item} for item in value]
+    return None
+
+
+async def _encode(
+    state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any], prefill: Worker
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """EPD: a request with images goes to an encoder first, which writes the embeddings
+    into `prefill`'s pool. Returns the body that goes on (the expanded prompt instead of
+    the images) and what the encoder moved, for the answer's meta_info."""
+    if body.get("image") is None and body.get("images") is None:
+        return body, None
+    if path != "/generate":
+        raise SideFailed(None, "images are taken on /generate only", 400)
+    encoder = state.pick_encoder()
+    if encoder is None:
+        raise SideFailed(None, "this topology has no encoder for images", 400)
+    room = secrets.randbits(63)
+    request = {
+        **body,
+        "bootstrap_host": prefill.host,
+        "bootstrap_port": prefill.bootstrap_port,
+        "embedding_room": room,
+    }
+    encoded = (await _post(client, encoder, "/encode", request)).json()
+    rest = {k: v for k, v in body.items() if k not in ("image", "images", "text", "input_ids")}
+    routed = {
+        **rest,
+        "input_ids": encoded["input_ids"],
+        "mm_items": encoded["mm_items"],
+        "embedding_room": room,
+    }
+    return routed, encoded.get("embedding_transfer")
+
+
+def _add_prefill_side(meta: dict[str, Any], prefill_answer: Any) -> None:
+    """Decode's kv_transfer times the receive; prefill's times the send. Both go in
+    the answer: `write_ms` (prefill gathering, digesting and writing, the part the
+    staging kernels and the transport own) and `send_ms` (prefill's whole send,
+    waits for decode's ring regions included), with `gather_ms` and `digest_ms`, the
+    parts of write_ms spent gathering and taking digests."""
+    transfer = meta.get("kv_transfer")
+    sent = None
+    if isinstance(prefill_answer, dict) and isinstance(prefill_answer.get("meta_info"), dict):
+        sent = prefill_answer["meta_info"].get("kv_transfer")
+    if not isinstance(transfer, dict) or not isinstance(sent, dict):
+        return
+    pairs = ("write_ms", "write_ms"), ("gather_ms", "gather_ms"), ("digest_ms", "digest_ms")
+    for theirs, ours in (*pairs, ("transfer_ms", "send_ms")):
+        if isinstance(sent.get(theirs), (int, float)):
+            transfer[ours] = sent[theirs]
+
+
+async def route_one(
+    state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> Any:
+    prefill, decode = state.pick()
+    body, embedding = await _encode(state, client, path, body, prefill)
+    routed = _with_bootstrap({**body, "stream": False}, prefill)
+    prefill_task = asyncio.create_task(_post(client, prefill, path, routed))
+    decode_task = asyncio.create_task(_post(client, decode, path, routed))
+    try:
+        done, _ = await asyncio.wait(
+            {prefill_task, decode_task}, return_when=asyncio.FIRST_EXCEPTION
+        )
+        for task in done:
+            error = task.exception()
+            if isinstance(error, SideFailed):
+                raise error.paired_with(decode if error.side is prefill else prefill)
+            if error is not None:
+                raise error
+        answer = (await decode_task).json()
+        prefilled = await prefill_task
+        meta = answer.get("meta_info")
+        if isinstance(meta, dict):
+            with contextlib.suppress(ValueError):  # decode's answer stands without it
+                _add_prefill_side(meta, prefilled.json())
+            if embedding is not None:
+                meta["embedding_transfer"] = embedding
+        return answer
+    finally:
+        for task in (prefill_task, decode_task):
+            task.cancel()
+
+
+async def route_stream(
+    state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> AsyncIterator[bytes]:
+    prefill, decode = state.pick()
+    try:
+        body, _ = await _encode(state, client, path, body, prefill)
+    except SideFailed as exc:
+        yield f"data: {json.dumps(error_body(str(exc), status=exc.status))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+        return
+    routed = _with_bootstrap(body, prefill)
+    prefill_task = asyncio.create_task(_post(client, prefill, path, {**routed, "stream": False}))
+    try:
+        async with client.stream("POST", f"{decode.url}{path}", json=routed) as response:
+            if response.status_code >= 400:
+                text = (await response.aread()).decode(errors="replace")
+                raise SideFailed(decode, f"{response.status_code} {text}")
+            async for chunk in response.aiter_raw():
+                if prefill_task.done() and prefill_task.exception() is not None:
+                    raise prefill_task.exception()  # type: ignore[misc]
+                yield chunk
+        await prefill_task
+    except SideFailed as exc:
+        yield f"data: {json.dumps(error_body(str(exc), status=exc.status))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    except httpx.HTTPError as exc:
+        body = error_body(f"decode {decode.url} failed: {exc}", status=502)
+        yield f"data: {json.dumps(body)}\n\n".encode()
+    finally:
+        prefill_task.cancel()
+
+
+def merge_completions(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    merged = dict(parts[0])
+    merged["choices"] = [{**part["choices"][0], "index": i} for i, part in enumerate(parts)]
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for part in parts:
+        for key in usage:
+            usage[key] += int(part.get("usage", {}).get(key, 0))
+    merged["usage"] = usage
+    return merged
+
+
+async def forward_get(state: RouterState, client: httpx.AsyncClient, path: str) -> httpx.Response:
+    """A GET a decode server answers for the topology (/v1/models: every server of a
+    topology serves the same model)."""
+    _, decode = state.pick()
+    try:
+        return await client.get(f"{decode.url}{path}")
+    except httpx.HTTPError as exc:
+        raise SideFailed(decode, f"{type(exc).__name__}: {exc}") from None
