@@ -1,0 +1,143 @@
+"""A request in the engine as the HTTP layer sees it: the server's context, one
+submission with an asyncio queue of its events, and the outcome it adds up to.
+
+A client that disconnects (or a cancelled handler) aborts its request, which gives
+back its pages. Knows no endpoint: generate, completions and chat all submit here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request as HttpRequest
+
+from pdctl.serve.api.errors import BadRequest
+from pdctl.serve.engine.loop import Engine
+from pdctl.serve.engine.request import Event, Request
+from pdctl.serve.engine.sampling import SamplingParams
+
+
+@dataclass
+class ServerContext:
+    engine: Engine
+    model_name: str
+    vocab_size: int
+    max_context: int
+    info: dict[str, Any]
+    extra_info: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    ready: bool = True
+    # PD roles: check a request's bootstrap fields and attach them (may raise BadRequest)
+    prepare: Callable[[Request, dict[str, Any]], None] | None = None
+    # colocated: run the encoder in-process -> (prompt ids, [(offset, embedding rows)])
+    encode: Callable[[Any, list[Any]], tuple[list[int], list[tuple[int, Any]]]] | None = None
+
+
+@dataclass
+class Outcome:
+    rid: str
+    prompt_len: int
+    tokens: list[int] = field(default_factory=list)
+    choices: list[Any] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    kv_transfer: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+
+
+def validate_ids(ids: list[int], vocab: int, where: str) -> None:
+    if not ids:
+        raise BadRequest("the prompt is empty", where)
+    for index, token in enumerate(ids):
+        if not 0 <= token < vocab:
+            raise BadRequest(
+                f"token {token} at {where}[{index}] is outside the vocabulary (0..{vocab - 1})",
+                where,
+            )
+
+
+class Submission:
+    """One request in the engine, with an asyncio queue of its events."""
+
+    def __init__(
+        self,
+        ctx: ServerContext,
+        ids: list[int],
+        params: SamplingParams,
+        rid: str,
+        logprobs: int | None,
+        pd: dict[str, Any] | None = None,
+        embeds: list[tuple[int, Any]] | None = None,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.ctx = ctx
+        self.request = Request(
+            rid,
+            ids,
+            params,
+            sink=lambda event: self._deliver(loop, event),
+            return_logprob=logprobs is not None,
+            top_logprobs_num=logprobs or 0,
+        )
+        self.request.embeds = list(embeds or [])
+        self.outcome = Outcome(rid, len(ids))
+        if ctx.prepare is not None:
+            ctx.prepare(self.request, pd or {})
+        elif pd and pd.get("bootstrap_room") is not None:
+            pass  # a colocated server accepts and ignores the PD fields
+        ctx.engine.submit(self.request)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop, event: Event) -> None:
+        loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    async def events(self, http: HttpRequest) -> AsyncIterator[Event]:
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(self.queue.get(), timeout=0.5)
+                except TimeoutError:
+                    if await http.is_disconnected():
+                        self.ctx.engine.abort(self.request.rid)
+                        return
+                    continue
+                if event.token is not None:
+                    self.outcome.tokens.append(event.token)
+                    self.outcome.choices.append(event.choice)
+                if event.error is not None:
+                    self.outcome.error = event.error
+                if event.finish_reason is not None:
+                    self.outcome.finish = event.finish_reason
+                    self.outcome.cached_tokens = self.request.cached_tokens
+                    self.outcome.kv_transfer = self.request.kv_transfer
+                yield event
+                if event.error is not None or event.finish_reason is not None:
+                    return
+        except asyncio.CancelledError:
+            self.ctx.engine.abort(self.request.rid)
+            raise
+
+    async def finish(self, http: HttpRequest) -> Outcome:
+        async for _ in self.events(http):
+            pass
+        if self.outcome.error:
+            raise BadRequest(
+                self.outcome.error, status=503 if "engine failed" in self.outcome.error else 400
+            )
+        return self.outcome
+
+
+def pd_fields(body: Any) -> dict[str, Any]:
+    """The bootstrap fields a PD router added, if any (with an EPD request's items)."""
+    names = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "mm_items", "embedding_room")
+    fields = {k: getattr(body, k, None) for k in names}
+    return fields if fields["bootstrap_room"] is not None else {}
+
+
+def sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()

@@ -1,0 +1,159 @@
+"""The router's FastAPI application: /generate, /v1/completions and
+/v1/chat/completions forwarded to prefill and decode (forward.py), /v1/models from a
+decode server, and the router's own /health, /get_server_info and /metrics.
+
+A batch of prompts is split into one PD request per prompt and the answers joined; a
+chat is one request. Bodies are bounded and must be JSON objects; a request before
+the router is ready is a 503 that names the side without a healthy worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from pdctl.serve.api.errors import error_body
+from pdctl.serve.api.guards import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
+from pdctl.serve.faults import faults
+from pdctl.serve.router.forward import (
+    SideFailed,
+    forward_get,
+    merge_completions,
+    route_one,
+    route_stream,
+    split_batch,
+)
+from pdctl.serve.router.workers import RouterState, check_health
+
+FORWARDED = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+def error(message: str, status: int) -> JSONResponse:
+    return JSONResponse(error_body(message, status=status), status_code=status)
+
+
+async def read_body(request: HttpRequest) -> dict[str, Any] | JSONResponse:
+    refused = refuse_oversized(request, MAX_BODY_BYTES)
+    if refused is not None:
+        return JSONResponse(error_body(refused[1]), status_code=refused[0])
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return error("the body is not valid JSON", 400)
+    if not isinstance(body, dict):
+        return error("the body must be a JSON object", 400)
+    return body
+
+
+def batch_key(path: str, body: dict[str, Any]) -> str | None:
+    """The key whose list is a batch of prompts on `path` (a chat is one prompt)."""
+    if path == "/v1/completions":
+        return "prompt"
+    if path == "/generate":
+        return "input_ids" if "input_ids" in body else "text"
+    return None
+
+
+async def forward(
+    state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> Response:
+    key = batch_key(path, body)
+    parts = split_batch(body, key) if key else None
+    try:
+        if parts is None:
+            result = await asyncio.wait_for(route_one(state, client, path, body), state.timeout)
+        else:
+            routed = (route_one(state, client, path, part) for part in parts)
+            result = await asyncio.wait_for(asyncio.gather(*routed), state.timeout)
+            if path == "/v1/completions":
+                result = merge_completions(result)
+    except SideFailed as exc:
+        state.counters["failed"] += 1
+        return error(str(exc), exc.status)
+    except TimeoutError:
+        state.counters["failed"] += 1
+        return error(f"no answer within {state.timeout:g} s", 504)
+    return JSONResponse(result)
+
+
+def add_forwarded(app: FastAPI, state: RouterState, client: httpx.AsyncClient) -> None:
+    async def handle(request: HttpRequest) -> Response:
+        path = request.url.path
+        body = await read_body(request)
+        if isinstance(body, Response):
+            return body
+        if not state.ready:
+            return error(state.not_ready_reason(), 503)
+        faults().request_arrived()  # fault injection (kill-role); off unless asked for
+        state.counters["requests"] += 1
+        if body.get("stream"):
+            events = route_stream(state, client, path, body)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await forward(state, client, path, body)
+
+    for path in FORWARDED:
+        app.add_api_route(path, handle, methods=["POST"])
+
+    async def models(request: HttpRequest) -> Response:
+        if not state.ready:
+            return error(state.not_ready_reason(), 503)
+        try:
+            answer = await forward_get(state, client, request.url.path)
+        except SideFailed as exc:
+            return error(str(exc), exc.status)
+        return Response(answer.content, answer.status_code, media_type="application/json")
+
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", models, methods=["GET"])
+
+
+def add_own(app: FastAPI, state: RouterState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if state.ready:
+            return JSONResponse({"status": "ok"})
+        return error(state.not_ready_reason(), 503)
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        return {
+            "role": "router",
+            "prefill": [vars(w) for w in state.prefill],
+            "decode": [vars(w) for w in state.decode],
+            "encoder": [vars(w) for w in state.encoder],
+            "ready": state.ready,
+            "stats": dict(state.counters),
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        lines = [f"pdctl_router_{k}_total {v}" for k, v in state.counters.items()]
+        lines += [
+            f'pdctl_router_worker_healthy{{role="{w.role}",url="{w.url}"}} {int(w.healthy)}'
+            for w in state.workers
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+
+def create_router_app(state: RouterState) -> FastAPI:
+    client = httpx.AsyncClient(timeout=state.timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(check_health(state))
+        yield
+        task.cancel()
+        await client.aclose()
+
+    app = FastAPI(title="pdctl router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    guard_json_depth(app)
+    add_forwarded(app, state, client)
+    add_own(app, state)
+    return app
