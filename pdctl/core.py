@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 Role = Literal["prefill", "decode", "encoder"]
 SERVER_ROLES: tuple[Role, ...] = ("prefill", "decode", "encoder")
@@ -124,9 +124,17 @@ def read_checkpoint_shape(path: Path) -> ModelShape:
     Raises OSError when the file cannot be read and ValueError when it is not a
     usable config (not JSON, or missing the head counts).
     """
+    return _shape(_config_json(path))
+
+
+def _config_json(path: Path) -> dict[str, Any]:
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     if not isinstance(config, dict):
         raise ValueError("config.json is not a JSON object")
+    return config
+
+
+def _shape(config: dict[str, Any]) -> ModelShape:
     try:
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
@@ -134,7 +142,7 @@ def read_checkpoint_shape(path: Path) -> ModelShape:
             num_layers=int(config["num_hidden_layers"]),
             hidden_size=hidden,
             num_attention_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads", heads)),
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(config.get("head_dim") or hidden // heads),
             intermediate_size=int(config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
@@ -142,3 +150,145 @@ def read_checkpoint_shape(path: Path) -> ModelShape:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"config.json lacks a usable field ({exc})") from exc
+
+
+# What the embedded engine computes from a local checkpoint: the Hugging Face class
+# named in config.json's `architectures` -> the engine's kind, and the RoPE types.
+CHECKPOINT_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",  # sliding-window attention when configured
+    "Qwen2ForCausalLM": "qwen2",  # biases on q, k and v
+    "Qwen3ForCausalLM": "qwen3",  # RMSNorm of each q and k head before RoPE
+}
+ROPE_TYPES = ("default", "llama3")
+
+
+class CheckpointRefused(ValueError):
+    """config.json asks for something the embedded engine does not compute."""
+
+
+@dataclass(frozen=True)
+class RopeSettings:
+    """RoPE's frequencies: theta, and Llama 3's scaling (`kind` "llama3") when set."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 1.0
+    original_max_position: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """What the embedded engine reads from a checkpoint's config.json."""
+
+    shape: ModelShape
+    architecture: str  # a value of CHECKPOINT_ARCHITECTURES
+    rope: RopeSettings
+    sliding_window: int | None  # a query sees its last `sliding_window` keys (None: all)
+    rms_eps: float
+    tie_embeddings: bool
+
+
+def supported_checkpoints() -> str:
+    """The architectures and RoPE types the embedded engine loads, for messages."""
+    return f"architectures {', '.join(CHECKPOINT_ARCHITECTURES)}; rope_type {', '.join(ROPE_TYPES)}"
+
+
+def read_checkpoint_config(path: Path) -> CheckpointConfig:
+    """config.json of a checkpoint the embedded engine can compute, read once.
+
+    Raises OSError when the file cannot be read, CheckpointRefused (naming the key and
+    what is supported) when it asks for an architecture, a RoPE scaling or a feature
+    the engine does not compute, and ValueError when it is not a usable config. A
+    scaled RoPE is never read as unscaled: an unknown `rope_type` is refused.
+    """
+    raw = _config_json(path)
+    shape = _shape(raw)
+    names = raw.get("architectures") or []
+    kinds = [CHECKPOINT_ARCHITECTURES[n] for n in names if n in CHECKPOINT_ARCHITECTURES]
+    if not kinds:
+        raise CheckpointRefused(
+            f"architectures {names} is not one the embedded engine computes "
+            f"(supported: {', '.join(CHECKPOINT_ARCHITECTURES)})"
+        )
+    _refuse_features(raw, kinds[0])
+    return CheckpointConfig(
+        shape=shape,
+        architecture=kinds[0],
+        rope=_rope(raw),
+        sliding_window=_sliding_window(raw, kinds[0]),
+        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    )
+
+
+def _refuse_features(raw: dict[str, Any], kind: str) -> None:
+    """Keys that would change the computation in ways the engine does not follow."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointRefused(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if raw.get(key) and kind != "qwen2":  # qwen2's q/k/v biases are its own
+            raise CheckpointRefused(f"{key}: true is not supported for {kind}")
+
+
+def _sliding_window(raw: dict[str, Any], kind: str) -> int | None:
+    window = raw.get("sliding_window")
+    if kind in ("qwen2", "qwen3"):  # per-layer windows (max_window_layers): not computed
+        layer_types = raw.get("layer_types") or []
+        if raw.get("use_sliding_window") or "sliding_attention" in layer_types:
+            raise CheckpointRefused(
+                f"use_sliding_window (per-layer windows) is not supported for {kind}"
+            )
+        return None
+    if kind != "mistral" or window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise CheckpointRefused(
+            f"sliding_window must be a positive integer or null, got {window!r}"
+        )
+    return window
+
+
+def _rope(raw: dict[str, Any]) -> RopeSettings:
+    """RoPE from `rope_parameters` (transformers 5) and/or `rope_scaling` (earlier)."""
+    found = [(key, raw[key]) for key in ("rope_parameters", "rope_scaling") if raw.get(key)]
+    theta = raw.get("rope_theta")
+    for key, params in found:
+        if not isinstance(params, dict):
+            raise CheckpointRefused(f"{key} must be an object, got {params!r}")
+        theta = params.get("rope_theta", theta)
+    theta = float(theta if theta is not None else 10000.0)
+    settings = {_rope_settings(key, params, theta) for key, params in found}
+    if len(settings) > 1:
+        raise CheckpointRefused("rope_parameters and rope_scaling disagree; keep one of them")
+    return settings.pop() if settings else RopeSettings(theta)
+
+
+def _rope_settings(key: str, params: dict[str, Any], theta: float) -> RopeSettings:
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise CheckpointRefused(
+            f"{key}.rope_type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+        )
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointRefused(f"{key}.partial_rotary_factor other than 1.0 is not supported")
+    if kind == "default":
+        return RopeSettings(theta)
+    names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [name for name in names if not isinstance(params.get(name), int | float)]
+    if missing:
+        raise CheckpointRefused(f"{key} of rope_type llama3 lacks {', '.join(missing)}")
+    if params["high_freq_factor"] <= params["low_freq_factor"] or params["factor"] <= 0:
+        raise CheckpointRefused(
+            f"{key}: llama3 needs factor > 0 and high_freq_factor > low_freq_factor"
+        )
+    return RopeSettings(
+        theta,
+        kind,
+        float(params["factor"]),
+        float(params["low_freq_factor"]),
+        float(params["high_freq_factor"]),
+        int(params["original_max_position_embeddings"]),
+    )

@@ -15,7 +15,12 @@ from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.model.batch import Piece
 from pdctl.serve.model.decode_batch import DecodeLayout
 from pdctl.serve.model.runner import ModelRunner
-from pdctl.serve.model.weights import build_rank_weights, preset_config, preset_source
+from pdctl.serve.model.weights import (
+    ModelConfig,
+    build_rank_weights,
+    preset_config,
+    preset_source,
+)
 
 CPU = torch.device("cpu")
 CONFIG = preset_config("tiny")
@@ -50,9 +55,10 @@ class Twins:
         assert torch.equal(a, b)
 
 
-def make_twins(dtype: torch.dtype = torch.float32) -> Twins:
-    weights = build_rank_weights(CONFIG, preset_source(0), 1, 0, dtype, CPU)
-    shape = CONFIG.shape
+def make_twins(dtype: torch.dtype = torch.float32, config: ModelConfig = CONFIG) -> Twins:
+    """`config`: the tiny preset's shape, perhaps with a sliding window."""
+    weights = build_rank_weights(config, preset_source(0), 1, 0, dtype, CPU)
+    shape = config.shape
 
     def pool() -> KVPool:
         return KVPool(shape.num_layers, POOL, weights.kv_heads, shape.head_dim, PAGE, dtype, CPU)

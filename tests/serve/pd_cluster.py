@@ -89,10 +89,11 @@ def pd_cluster(
     prefill_extra: tuple[str, ...] = (),
     decode_extra: tuple[str, ...] = (),
     prefill_env: dict[str, str] | None = None,
+    model: tuple[str, ...] = MODEL,
 ) -> Iterator[PDCluster]:
     os.environ.setdefault("PDCTL_RUN_SECRET", secrets.token_hex(16))
     common = [
-        *MODEL,
+        *model,
         "--transfer-backend",
         backend,
         "--staging-pool-mb",

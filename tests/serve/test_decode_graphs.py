@@ -8,6 +8,7 @@ synchronisation in it, and an engine on graphs the eager engine's tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
@@ -22,7 +23,7 @@ from pdctl.serve.engine.radix import RadixCache
 from pdctl.serve.engine.request import Request
 from pdctl.serve.engine.sampling import SamplingParams
 from pdctl.serve.engine.scheduler import Budget, Scheduler
-from pdctl.serve.model import ops
+from pdctl.serve.model import attention, ops
 from pdctl.serve.model.batch import Piece
 from pdctl.serve.model.graphs import (
     CudaGraphCapture,
@@ -35,7 +36,7 @@ from pdctl.serve.model.graphs import (
 from pdctl.serve.model.runner import ModelRunner
 from pdctl.serve.model.weights import RankWeights, build_rank_weights, preset_config, preset_source
 from pdctl.serve.tokenizer import ByteTokenizer
-from tests.serve.decode_twins import CAPACITY, CONFIG, CPU, Twins, make_twins
+from tests.serve.decode_twins import CAPACITY, CONFIG, CPU, LENGTHS, Twins, make_twins
 
 
 def test_buckets_are_powers_of_two_up_to_the_running_limit() -> None:
@@ -182,14 +183,41 @@ def test_an_engine_on_graphs_gives_the_eager_engines_tokens() -> None:
     graphed_engine_matches_eager(weights, CPU, capture_eagerly)
 
 
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_decode_graphs_keep_a_sliding_window(kernel, monkeypatch) -> None:
+    """Mistral's window in the fixed decode layout: the eager logits bitwise, with the
+    torch attention and with the Triton kernel (interpreted on the CPU); keys past the
+    window are hidden (the logits differ from the unwindowed model's)."""
+    if kernel == "triton":
+        if torch.cuda.is_available():
+            pytest.skip("the kernel runs interpreted on CPU hosts (CUDA: the gpu test below)")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        from pdctl.serve.model import triton_attention
+
+        monkeypatch.setattr(attention, "paged_attention", triton_attention.paged_attention)
+    windowed = dataclasses.replace(CONFIG, sliding_window=32)
+    twins, full = make_twins(config=windowed), make_twins()
+    graphs = eager_graphs(twins, max_batch=4)
+    for sequences in ([3], [0, 3, 8], [1, 7]):  # contexts of 40, 130, 200 keys, ...
+        pieces = twins.pieces(sequences)
+        got = graphs.forward(pieces)
+        assert torch.equal(got, twins.eager.forward(pieces))
+        if max(LENGTHS[s] for s in sequences) > 32:
+            assert not torch.allclose(got, full.eager.forward(pieces), atol=1e-3)
+    assert graphs.replays == 3 and not graphs.eager
+    twins.assert_same_kv()
+
+
 # -- CUDA: graph replay against the eager forward -----------------------------------
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 
 
-def cuda_twins() -> tuple[ModelRunner, ModelRunner, tuple[KVPool, KVPool], list[torch.Tensor]]:
+def cuda_twins(
+    window: int | None = None,
+) -> tuple[ModelRunner, ModelRunner, tuple[KVPool, KVPool], list[torch.Tensor]]:
     """The small preset in bf16 on CUDA: two runners over equal pools, prompts in both."""
     device = torch.device("cuda", 0)
-    config = preset_config("small")
+    config = dataclasses.replace(preset_config("small"), sliding_window=window)
     weights = build_rank_weights(config, preset_source(0), 1, 0, torch.bfloat16, device)
     shape = config.shape
 
@@ -217,8 +245,9 @@ def cuda_pieces(rows: list[torch.Tensor], count: int, step: int) -> list[Piece]:
 
 @pytest.mark.gpu
 @cuda_only
-def test_graph_replay_gives_the_eager_logits_bitwise_without_host_syncs() -> None:
-    eager, graphed, pools, rows = cuda_twins()
+@pytest.mark.parametrize("window", [None, 100], ids=["full", "sliding-window"])
+def test_graph_replay_gives_the_eager_logits_bitwise_without_host_syncs(window) -> None:
+    eager, graphed, pools, rows = cuda_twins(window)
     graphs = DecodeGraphs.for_runner(
         graphed, capacity=4096, scratch_row=pools[1].scratch_row, max_batch=8, enabled=True
     )

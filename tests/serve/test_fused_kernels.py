@@ -17,7 +17,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pdctl.serve.model import ops, triton_norm, triton_pointwise, triton_rope
+from pdctl.core import RopeSettings
+from pdctl.serve.model import ops, rope, triton_norm, triton_pointwise, triton_rope
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -64,7 +65,7 @@ SHAPES = [(4, 2, 24), (16, 8, 128)]  # (q heads, KV heads, head dim)
 def rope_case(shape: tuple[int, int, int], dtype: torch.dtype, tokens: int, seed: int):  # type: ignore[no-untyped-def]
     q_heads, kv_heads, dim = shape
     qkv = randn(tokens, (q_heads + 2 * kv_heads) * dim + 16, dtype=dtype, seed=seed)
-    cos, sin = ops.rope_tables(dim, 512, 10000.0)
+    cos, sin = rope.rope_tables(dim, 512, RopeSettings())
     positions = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(seed))
     return qkv, cos[positions], sin[positions]
 

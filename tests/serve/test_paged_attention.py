@@ -77,7 +77,10 @@ def make_sequence(pool: Pool, shape: tuple[int, int, int], length: int, seed: in
 
 
 def run(
-    implementation: Attention, pool: Pool, parts: list[tuple[Sequence, Piece]]
+    implementation: Attention,
+    pool: Pool,
+    parts: list[tuple[Sequence, Piece]],
+    window: int | None = None,
 ) -> list[torch.Tensor]:
     """One forward's attention over `parts`; each piece's output rows [n, heads, dim]."""
     pieces = [piece for _, piece in parts]
@@ -85,15 +88,17 @@ def run(
     q = ops.pad_rows(torch.cat(queries))  # [T padded, heads, dim]
     batch = ForwardBatch.build(pieces, torch.device("cpu"))
     dim = q.shape[-1]
-    out = implementation(q, pool.k, pool.v, batch.keys, dim**-0.5)
+    out = implementation(q, pool.k, pool.v, batch.keys, dim**-0.5, window)
     assert out.shape == q.shape
     assert torch.equal(out[batch.num_tokens :], torch.zeros_like(out[batch.num_tokens :]))
     sizes = [p.tokens.numel() for p in pieces]
     return list(torch.split(out[: batch.num_tokens], sizes))
 
 
-def exact(pool: Pool, seq: Sequence, start: int, count: int) -> torch.Tensor:
-    """Float64 causal attention of positions start..start+count-1."""
+def exact(
+    pool: Pool, seq: Sequence, start: int, count: int, window: int | None = None
+) -> torch.Tensor:
+    """Float64 causal attention of positions start..start+count-1 (keys in the window)."""
     heads = seq.q.shape[1]
     group = heads // pool.k.shape[1]
     rows = seq.rows[: start + count]
@@ -102,7 +107,10 @@ def exact(pool: Pool, seq: Sequence, start: int, count: int) -> torch.Tensor:
     q = seq.q[start : start + count].double()
     scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
     positions = torch.arange(start, start + count)[:, None]
-    scores = scores.masked_fill(torch.arange(rows.numel())[None, :] > positions, float("-inf"))
+    key_positions = torch.arange(rows.numel())[None, :]
+    scores = scores.masked_fill(key_positions > positions, float("-inf"))
+    if window is not None:
+        scores = scores.masked_fill(key_positions <= positions - window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
@@ -190,6 +198,35 @@ def test_close_to_float64_attention(name, shape, dtype) -> None:
     outputs = run(implementation, pool, parts)
     for out, seq, (lo, n) in zip(outputs, seqs, spans, strict=True):
         torch.testing.assert_close(out.double(), exact(pool, seq, lo, n), atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("window", [1, 20, 64, 100])
+def test_a_sliding_window_hides_older_keys_and_stays_invariant(name, window) -> None:
+    """Close to float64 attention over the window; batch, chunk, prefix-hit and decode
+    invariant as without one (windows inside a key block, one block, across blocks)."""
+    implementation, shape, dtype = IMPLEMENTATIONS[name], SHAPES[1], torch.float32
+    pool = make_pool(shape, dtype, seed=window)
+    seq, other = make_sequence(pool, shape, 200, 0), make_sequence(pool, shape, 90, 1)
+    (whole,) = run(implementation, pool, [(seq, seq.piece(0, 200))], window)
+    torch.testing.assert_close(whole.double(), exact(pool, seq, 0, 200, window), atol=1e-5, rtol=0)
+    (unwindowed,) = run(implementation, pool, [(seq, seq.piece(0, 200))])
+    assert not torch.allclose(whole[window + 1 :], unwindowed[window + 1 :], atol=1e-3)
+    assert torch.equal(whole[:window], unwindowed[:window])  # nothing hidden yet
+    mixed = [(other, other.piece(0, 90)), (seq, seq.piece(0, 200))]
+    assert torch.equal(run(implementation, pool, mixed, window)[1], whole)
+    chunks = [run(implementation, pool, [(seq, seq.piece(lo, hi - lo))], window)[0]
+              for lo, hi in itertools.pairwise([0, 37, 130, 199, 200])]  # fmt: skip
+    assert torch.equal(torch.cat(chunks), whole)
+    cached_rows = pool.take(64)
+    pool.k[cached_rows], pool.v[cached_rows] = pool.k[seq.rows[:64]], pool.v[seq.rows[:64]]
+    rows = torch.cat([cached_rows, seq.rows[64:]])
+    suffix = run(implementation, pool, [(seq, seq.piece(64, 136, rows))], window)[0]
+    assert torch.equal(suffix, whole[64:])
+    for position in (0, window - 1, window, 65, 128, 199):
+        parts = [(other, other.piece(89, 1)), (seq, seq.piece(min(position, 199), 1))]
+        decoded = run(implementation, pool, parts, window)[1]
+        assert torch.equal(decoded[0], whole[min(position, 199)]), position
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

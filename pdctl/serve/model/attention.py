@@ -14,6 +14,11 @@ absolute position:
 - queries in tiles of QUERY_BLOCK absolute positions (`batch.py`), so a query always
   takes the same row of every product.
 
+A sliding window (`window`, Mistral's `sliding_window`) hides keys older than the last
+`window` positions: query i sees keys j with i - window < j <= i. Hidden keys are masked
+exactly like future ones (exact zeros in the same fixed block order), so the window
+changes which keys count, never the order of the sums.
+
 The torch path takes the softmax maximum over all visible keys (exact in any order)
 and sums blocks with a sequential cumulative sum; the kernel keeps an online maximum,
 so the two agree to rounding, not bitwise. `sequence_attention` is the dense
@@ -37,17 +42,18 @@ def paged_attention(
     v_buffer: torch.Tensor,
     keys: KeyTable,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [rows, Hq, D] (rows >= keys.num_queries) over one layer's K/V [pool, Hkv, D].
 
     Returns [rows, Hq, D]: row i is query i's attention output; rows past the batch's
-    queries are zeros.
+    queries are zeros. `window`: each query sees only its last `window` keys (None: all).
     """
     if ops.triton_available(q.device.type):  # fixed-order and fast: both serving modes
         from pdctl.serve.model import triton_attention
 
-        return triton_attention.paged_attention(q, k_buffer, v_buffer, keys, scale)
-    return paged_attention_reference(q, k_buffer, v_buffer, keys, scale)
+        return triton_attention.paged_attention(q, k_buffer, v_buffer, keys, scale, window)
+    return paged_attention_reference(q, k_buffer, v_buffer, keys, scale, window)
 
 
 def paged_attention_reference(
@@ -56,6 +62,7 @@ def paged_attention_reference(
     v_buffer: torch.Tensor,
     keys: KeyTable,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The torch path of `paged_attention` (same signature), batched over query tiles.
 
@@ -81,6 +88,8 @@ def paged_attention_reference(
     visible = (key_positions[None, :, None, :] <= positions[:, None, :, None]) & (
         query_ok[:, None, :, None] & key_ok[:, :, None, :]
     )  # [tiles, blocks, QB, KEY_BLOCK]
+    if window is not None:  # keys older than the window are hidden like future ones
+        visible &= key_positions[None, :, None, :] > positions[:, None, :, None] - window
     scores = scores.masked_fill(~visible[:, None, :, None], float("-inf"))
     out = _combine_blocks(scores.view(tiles * kv_heads, blocks, rows_per_tile, KEY_BLOCK), v)
     out = out.view(tiles, kv_heads, group, QUERY_BLOCK, dim).permute(0, 3, 1, 2, 4)

@@ -210,13 +210,25 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def rope_tables(
-    head_dim: int, max_position: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_position, head_dim // 2], computed once in float64."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
-    return torch.cos(angles).float(), torch.sin(angles).float()
+def head_norms(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    q_heads: int,
+    kv_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """qkv [T, >= (q_heads + 2 * kv_heads) * D] with every q and k head RMS-normalised by
+    q_norm, k_norm [D] (Qwen3, before RoPE): [T, (q_heads + 2 * kv_heads) * D], v as is.
+
+    Each head is one row of `rms_norm`, so a token's result depends on its own row only.
+    """
+    tokens, dim = qkv.shape[0], q_norm.shape[0]
+    q_end, k_end = q_heads * dim, (q_heads + kv_heads) * dim
+    q = rms_norm(qkv[:, :q_end].reshape(tokens * q_heads, dim), q_norm, eps, qkv.dtype)
+    k = rms_norm(qkv[:, q_end:k_end].reshape(tokens * kv_heads, dim), k_norm, eps, qkv.dtype)
+    v = qkv[:, k_end : k_end + kv_heads * dim]
+    return torch.cat([q.view(tokens, q_end), k.view(tokens, k_end - q_end), v], dim=1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """The Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over paged KV.
 
+One decoder for every architecture `weights.py` loads: Qwen2's q/k/v biases, Qwen3's
+per-head q/k norms before RoPE, Llama 3's scaled RoPE (`rope.py`: only the tables
+change) and Mistral's sliding window (attention masks keys older than the window).
+
 `ModelRunner.forward` computes a batch of sequence pieces (`batch.py`): each piece
 appends `tokens` at positions `start..start+n-1` of one sequence whose earlier tokens
 are already in the KV pool. The batch is laid out on the device once per forward
@@ -22,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from pdctl.serve.model import attention, ops
+from pdctl.serve.model import attention, ops, rope
 from pdctl.serve.model.batch import ForwardBatch, Piece
 from pdctl.serve.model.weights import LayerWeights, RankWeights
 
@@ -50,7 +54,8 @@ class ModelRunner:
         self.compute_logits = compute_logits
         shape = weights.config.shape
         self.scale = shape.head_dim**-0.5
-        cos, sin = ops.rope_tables(shape.head_dim, shape.max_position, weights.config.rope_theta)
+        cos, sin = rope.rope_tables(shape.head_dim, shape.max_position, weights.config.rope)
+        self.window = weights.config.sliding_window
         self.cos, self.sin = cos.to(device), sin.to(device)
         self.q_width = weights.q_heads * shape.head_dim
 
@@ -98,9 +103,14 @@ class ModelRunner:
         qkv = ops.matmul(h, lw.qkv_t)  # [T padded, q | k | v (| column padding)]
         if lw.qkv_bias is not None:
             qkv = qkv[:, : lw.qkv_bias.numel()] + lw.qkv_bias
+        if lw.q_norm is not None and lw.k_norm is not None:
+            eps, kv_heads = self.w.config.rms_eps, self.w.kv_heads
+            qkv = ops.head_norms(qkv, lw.q_norm, lw.k_norm, self.w.q_heads, kv_heads, eps)
         k_buffer, v_buffer = self.kv.k_buffers[layer], self.kv.v_buffers[layer]
         q = ops.rope_and_cache(qkv, cos, sin, self.w.q_heads, k_buffer, v_buffer, batch.new_rows)
-        attn = attention.paged_attention(q, k_buffer, v_buffer, batch.keys, self.scale)
+        attn = attention.paged_attention(
+            q, k_buffer, v_buffer, batch.keys, self.scale, window=self.window
+        )
         attn_rows = attn.view(-1, self.q_width)
         return ops.row_parallel_matmul(attn_rows, lw.o_chunks, self.gather, residual=x)
 

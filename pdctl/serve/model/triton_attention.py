@@ -14,7 +14,13 @@ acc * 1 + 0), so the tile's extent (the furthest query in it) never reaches a qu
 numbers, and the operations applied to a query's row depend only on its absolute
 position and its keys: not on the batch, the chunking, a prefix-cache hit or the
 other rows of its tile. One configuration for every batch: tile sizes are constants
-and the rest depends only on the model (head dim, group).
+and the rest depends only on the model (head dim, group, sliding window).
+
+A sliding window (WINDOW > 0) hides key j from the query at position i unless
+i - WINDOW < j <= i. The walk then starts at the block holding the tile's first
+visible key, max(0, first - WINDOW + 1) rounded down to KEY_BLOCK: every block before
+it is hidden from every row of the tile, so skipping it changes nothing (see above),
+and the blocks walked keep their fixed order.
 
 Both products take their inputs in the KV cache's dtype (q and the weights p are
 rounded to it; bf16 on GPUs, so they run on tensor cores) and accumulate in float32;
@@ -66,6 +72,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     QUERY_BLOCK: tl.constexpr,
     KEY_BLOCK: tl.constexpr,
     PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -89,7 +96,10 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     norm = tl.zeros((GROUP_PAD * QUERY_BLOCK,), tl.float32)
     acc = tl.zeros((GROUP_PAD * QUERY_BLOCK, BLOCK_D), tl.float32)
     end = tl.minimum(first + QUERY_BLOCK, length)  # the tile sees keys 0..end-1
-    for block in range(0, end, KEY_BLOCK):  # fixed order: block 0 first, always
+    lo = first * 0  # block 0 (a tensor, like the windowed start)
+    if WINDOW > 0:  # blocks before the tile's first visible key add nothing: skipped
+        lo = tl.maximum(first - WINDOW + 1, 0) // KEY_BLOCK * KEY_BLOCK
+    for block in range(lo, end, KEY_BLOCK):  # fixed order: the first visible block first
         keys = block + tl.arange(0, KEY_BLOCK)
         keys_ok = keys < length
         pool_rows = tl.load(rows_ptr + key_offset + keys, mask=keys_ok, other=0)
@@ -98,6 +108,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         k = tl.load(k_at, mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         visible = (keys[None, :] <= positions[:, None]) & real[:, None]
+        if WINDOW > 0:
+            visible = visible & (keys[None, :] > positions[:, None] - WINDOW)
         scores = tl.where(visible, scores, float("-inf"))
         new_peak = tl.maximum(peak, tl.max(scores, axis=1))
         safe_peak = tl.where(new_peak == float("-inf"), 0.0, new_peak)
@@ -120,12 +132,16 @@ def paged_attention(
     v_buffer: torch.Tensor,
     keys: KeyTable,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [rows, Hq, D] over one layer's K/V [pool, Hkv, D] -> [rows, Hq, D] (checked).
 
-    Rows past the batch's queries are zeros. Reads only shapes on the host.
+    Rows past the batch's queries are zeros; `window`: each query sees its last `window`
+    keys (None: all). Reads only shapes on the host.
     """
     _check(q, k_buffer, v_buffer, keys)
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must be >= 1 key, got {window}")
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_buffer.shape[1]
     group = heads // kv_heads
@@ -140,6 +156,7 @@ def paged_attention(
             GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=dim,
             BLOCK_D=max(16, triton.next_power_of_2(dim)), QUERY_BLOCK=QUERY_BLOCK,
             KEY_BLOCK=KEY_BLOCK, PRECISION="ieee" if k_buffer.dtype == torch.float32 else "tf32",
+            WINDOW=window or 0,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )  # fmt: skip
     return out

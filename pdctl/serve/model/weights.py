@@ -10,26 +10,25 @@ of `ops.REDUCTION_CHUNKS` chunks.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from pdctl.core import MODEL_PRESETS, ModelShape
+from pdctl.core import MODEL_PRESETS, ModelShape, RopeSettings, read_checkpoint_config
 from pdctl.serve.model import ops
 from pdctl.staging.layout import rank_heads
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     shape: ModelShape
-    architecture: str = "llama"  # qwen2: biases on q, k and v
-    rope_theta: float = 10000.0
+    architecture: str = "llama"  # qwen2: biases on q, k and v; qwen3: q/k head norms
+    rope: RopeSettings = field(default_factory=RopeSettings)
+    sliding_window: int | None = None  # a query sees its last `sliding_window` keys
     rms_eps: float = 1e-6
     tie_embeddings: bool = False
     name: str = "tiny"
@@ -42,34 +41,21 @@ def preset_config(name: str) -> ModelConfig:
 
 
 def checkpoint_config(path: Path) -> ModelConfig:
-    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    architectures = raw.get("architectures") or []
-    kinds = [SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES]
-    if not kinds:
-        raise ValueError(
-            f"{path}: architecture {architectures} is not one of {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
-    scaling = raw.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"{path}: rope_scaling {scaling} is not supported")
-    heads = int(raw["num_attention_heads"])
-    hidden = int(raw["hidden_size"])
-    shape = ModelShape(
-        num_layers=int(raw["num_hidden_layers"]),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads", heads)),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        intermediate_size=int(raw["intermediate_size"]),
-        vocab_size=int(raw["vocab_size"]),
-        max_position=int(raw.get("max_position_embeddings", 4096)),
-    )
+    """The config of a local checkpoint (`core.read_checkpoint_config`: the one reader
+    `pdctl validate` uses too); ValueError naming the file when it cannot be used."""
+    try:
+        read = read_checkpoint_config(path)
+    except OSError as exc:
+        raise ValueError(f"cannot read {path / 'config.json'}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{path / 'config.json'}: {exc}") from exc
     return ModelConfig(
-        shape,
-        architecture=kinds[0],
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        read.shape,
+        architecture=read.architecture,
+        rope=read.rope,
+        sliding_window=read.sliding_window,
+        rms_eps=read.rms_eps,
+        tie_embeddings=read.tie_embeddings,
         name=path.name,
     )
 
@@ -78,6 +64,8 @@ def checkpoint_config(path: Path) -> ModelConfig:
 class LayerWeights:
     qkv_t: torch.Tensor  # [hidden, padded(q + k + v local widths)]
     qkv_bias: torch.Tensor | None  # [q + k + v local widths]
+    q_norm: torch.Tensor | None  # [head_dim] (qwen3: RMSNorm of each q head before RoPE)
+    k_norm: torch.Tensor | None  # [head_dim] (qwen3: of each k head)
     o_chunks: torch.Tensor  # this rank's [local chunks, K_chunk, hidden] stack
     gate_up_t: torch.Tensor  # [hidden, padded(2 * intermediate local)]
     down_chunks: torch.Tensor  # [local chunks, I_chunk, hidden]
@@ -185,6 +173,10 @@ def build_rank_weights(
             kb = get(prefix + "self_attn.k_proj.bias", (shape.num_kv_heads * d,))
             vb = get(prefix + "self_attn.v_proj.bias", (shape.num_kv_heads * d,))
             bias = place(torch.cat([qb[q_rows], kb[kv_rows], vb[kv_rows]]))
+        q_norm = k_norm = None
+        if config.architecture == "qwen3":
+            q_norm = place(get(prefix + "self_attn.q_norm.weight", (d,)))
+            k_norm = place(get(prefix + "self_attn.k_norm.weight", (d,)))
         o = get(prefix + "self_attn.o_proj.weight", (hidden, shape.num_attention_heads * d))
         gate = get(prefix + "mlp.gate_proj.weight", (shape.intermediate_size, hidden))
         up = get(prefix + "mlp.up_proj.weight", (shape.intermediate_size, hidden))
@@ -194,6 +186,8 @@ def build_rank_weights(
             LayerWeights(
                 qkv_t=place(_padded_t(qkv)),
                 qkv_bias=bias,
+                q_norm=q_norm,
+                k_norm=k_norm,
                 o_chunks=place(row_chunks(o.t(), tp, rank)),
                 gate_up_t=place(_padded_t(torch.cat([gate[rows], up[rows]]))),
                 down_chunks=place(row_chunks(down.t(), tp, rank)),
