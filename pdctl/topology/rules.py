@@ -12,7 +12,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdctl.core import MODEL_PRESETS, ModelShape, encoder_tp_problem, read_checkpoint_shape
+from pdctl.core import (
+    MODEL_PRESETS,
+    CheckpointRefused,
+    ModelShape,
+    encoder_tp_problem,
+    read_checkpoint_config,
+    read_checkpoint_shape,
+    supported_checkpoints,
+)
 from pdctl.topology.env_rules import env_rules, transfer_rules
 from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology
@@ -69,8 +77,16 @@ def check_model(topology: Topology, context: RuleContext) -> Iterator[Issue]:
         )
         return
     written = topology.model.path
+    # the embedded engine's own reader (its loader's): what it cannot compute is refused here
+    read = read_checkpoint_config if topology.engine == "embedded" else read_checkpoint_shape
     try:
-        read_checkpoint_shape(path)
+        read(path)
+    except CheckpointRefused as exc:
+        yield Issue(
+            ("model", "path"),
+            f"'{written}/config.json': {exc}",
+            f"the embedded engine runs {supported_checkpoints()}; engine: sglang runs many more",
+        )
     except FileNotFoundError:
         yield Issue(
             ("model", "path"),

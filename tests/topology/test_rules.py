@@ -55,18 +55,21 @@ def test_the_encoder_tp_must_split_its_heads(make_topology) -> None:
     ]
 
 
+CONFIG = {  # a Llama checkpoint's config.json (shape only)
+    "architectures": ["LlamaForCausalLM"],
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 100,
+}
+
+
 def test_checkpoint_shape_is_read_from_config_json(make_topology, tmp_path: Path) -> None:
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
-    config = {
-        "num_hidden_layers": 2,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": 100,
-    }
-    (checkpoint / "config.json").write_text(json.dumps(config))
+    (checkpoint / "config.json").write_text(json.dumps(CONFIG))
     good = make_topology(model={"path": str(checkpoint), "preset": REMOVE})
     assert load_checked(good).topology.model.path == str(checkpoint)
     bad = make_topology(
@@ -81,9 +84,7 @@ def test_a_relative_checkpoint_reaches_the_servers_from_any_folder(
     """model.path is relative to the topology file; servers get it absolute."""
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
-    config = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100}  # fmt: skip
-    (checkpoint / "config.json").write_text(json.dumps(config))
+    (checkpoint / "config.json").write_text(json.dumps(CONFIG))
     path = make_topology(model={"path": "ckpt", "preset": REMOVE})
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -93,6 +94,55 @@ def test_a_relative_checkpoint_reaches_the_servers_from_any_folder(
     commands = [render_command(p.command) for p in make_plan(loaded).processes]
     given = [c[c.index("--model-path") + 1] for c in commands if "--model-path" in c]
     assert given and set(given) == {str(checkpoint.resolve())}
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"architectures": ["GemmaForCausalLM"]},
+         "architectures ['GemmaForCausalLM'] is not one the embedded engine computes (supported: "
+         "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+         "rope_scaling.rope_type 'yarn' is not supported (supported: default, llama3)"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e6}},
+         "rope_parameters.rope_type 'longrope' is not supported (supported: default, llama3)"),
+    ],
+)  # fmt: skip
+def test_validate_refuses_a_checkpoint_the_embedded_engine_cannot_compute(
+    cli, make_topology, tmp_path: Path, changes, words
+) -> None:
+    """`pdctl validate` runs the loader's own config reader: file, key and supported list."""
+    from pdctl.cli.app import app
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({**CONFIG, **changes}))
+    path = make_topology(model={"path": "ckpt", "preset": REMOVE})
+    result = cli.invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2
+    text = " ".join(result.stderr.split())  # the console may wrap long lines
+    assert f"{path}:" in text and f"model.path: 'ckpt/config.json': {words}" in text, text
+    assert "hint: the embedded engine runs architectures LlamaForCausalLM" in text
+    assert "rope_type default, llama3" in text and "Traceback" not in result.output
+    sglang = make_topology(engine="sglang", model={"path": str(checkpoint), "preset": REMOVE},
+                           transfer={"backend": "mooncake"})  # fmt: skip
+    load_checked(sglang)  # SGLang runs many more: its own business
+
+
+def test_validate_accepts_every_architecture_the_engine_computes(make_topology, tmp_path) -> None:
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    for name, extra in [
+        ("Qwen3ForCausalLM", {"head_dim": 32}),
+        ("MistralForCausalLM", {"sliding_window": 4096}),
+        ("LlamaForCausalLM", {"rope_scaling": llama3, "rope_theta": 500000.0}),
+        ("LlamaForCausalLM", {"rope_parameters": {**llama3, "rope_theta": 500000.0}}),
+    ]:
+        checkpoint = tmp_path / f"ckpt-{len(list(tmp_path.iterdir()))}"
+        checkpoint.mkdir()
+        config = {**CONFIG, "architectures": [name], **extra}
+        (checkpoint / "config.json").write_text(json.dumps(config))
+        load_checked(make_topology(model={"path": str(checkpoint), "preset": REMOVE}))
 
 
 def test_a_hub_id_stays_as_written_for_sglang(make_topology) -> None:
