@@ -12,9 +12,10 @@ from __future__ import annotations
 import base64
 import random
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from pdctl.core import MODEL_PRESETS
+from pdctl.core import MODEL_PRESETS, ModelShape, read_checkpoint_shape
 from pdctl.topology.model import Topology
 
 TEXTS = (
@@ -81,10 +82,24 @@ class Shape:
             segment = int(staging.effective_segment_mb * (1 << 20)) // per_token
             ring = int(staging.pool_size_mb * (1 << 20)) // per_token
             max_context, vocab = preset.max_position, preset.vocab_size
-        else:  # a checkpoint: sizes pdctl cannot derive without reading it
+        else:  # a checkpoint: its config.json bounds ids and lengths, where it is here
             segment, ring, max_context, vocab = 512, 2048, 4096, 32000
+            checkpoint = checkpoint_shape(topology)
+            if checkpoint is not None:  # never an id the model does not have
+                max_context, vocab = checkpoint.max_position, checkpoint.vocab_size
         encoder = topology.roles.encoder is not None
         return Shape(page, chunk, max(page, segment), max(page, ring), max_context, vocab, encoder)
+
+
+def checkpoint_shape(topology: Topology) -> ModelShape | None:
+    """The shape in model.path's config.json (absolute once loaded), None when unreadable
+    here (a hub id, another host's path): the servers' own report still bounds the ids."""
+    if topology.model.path is None:
+        return None
+    try:
+        return read_checkpoint_shape(Path(topology.model.path).expanduser())
+    except (OSError, ValueError):
+        return None
 
 
 def build(shape: Shape, count: int, seed: int, max_new_tokens: int) -> list[Prompt]:
