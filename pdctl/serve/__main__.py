@@ -29,10 +29,14 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"role {args.role!r} is not served by this build")
     # The other TP ranks start now, importing torch beside this rank, not after it.
     children = spawn_ranks(args.tp, argv, dict(os.environ)) if first_of_many(args) else []
-    from pdctl.serve.runtime import start_rank  # torch: not for the router
+    from pdctl.serve.model.weights import CheckpointError  # torch: not for the router
+    from pdctl.serve.runtime import start_rank
 
     role = importlib.import_module(ROLES[args.role])
-    rank = start_rank(args, argv, children)
+    try:
+        rank = start_rank(args, argv, children)
+    except CheckpointError as exc:  # a user's checkpoint: one line, never a traceback
+        raise SystemExit(f"pdctl serve {args.title_role} tp{args.tp_rank}: {exc}") from None
     if args.tp_rank > 0:
         if hasattr(role, "run_worker"):
             role.run_worker(rank)

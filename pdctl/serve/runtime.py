@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from pdctl.serve.model.graphs import DecodeGraphs
 from pdctl.serve.model.runner import ModelRunner
 from pdctl.serve.model.weights import (
     DTYPES,
+    CheckpointError,
     ModelConfig,
     RankWeights,
     build_rank_weights,
@@ -124,9 +126,23 @@ def load_config(args: ServerArgs) -> tuple[ModelConfig, Tokenizer]:
     if args.model_path:
         path = Path(args.model_path)
         config = checkpoint_config(path)
-        return config, HFTokenizer(path, config.shape.vocab_size)
+        with checkpoint_errors(path):
+            return config, HFTokenizer(path, config.shape.vocab_size)
     config = preset_config(args.model_preset or "tiny")
     return config, ByteTokenizer(config.shape.vocab_size)
+
+
+@contextlib.contextmanager
+def checkpoint_errors(path: Path) -> Iterator[None]:
+    """What goes wrong loading a checkpoint (a tensor of another shape, a tokenizer that
+    cannot be read) as one CheckpointError naming it: the server ends on that line."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (OSError, ValueError) as exc:
+        said = str(exc)
+        raise CheckpointError(said if str(path) in said else f"{path}: {said}") from exc
 
 
 def load_model(
@@ -135,8 +151,9 @@ def load_model(
     """This rank's weights, its KV pool and the runner over them."""
     dtype = DTYPES[args.dtype]
     path = Path(args.model_path) if args.model_path else None
-    source = checkpoint_source(path) if path else preset_source(args.seed, device)
-    weights = build_rank_weights(config, source, args.tp, args.tp_rank, dtype, device)
+    with checkpoint_errors(path) if path else contextlib.nullcontext():
+        source = checkpoint_source(path) if path else preset_source(args.seed, device)
+        weights = build_rank_weights(config, source, args.tp, args.tp_rank, dtype, device)
     pool = args.kv_pool_tokens or 16384
     pool -= pool % args.page_size
     kv = KVPool(

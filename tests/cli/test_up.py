@@ -268,3 +268,21 @@ def test_catalog_accelerator_topologies_skip_cleanly(
         assert ("needs the Python module sglang (engine: sglang)" in result.stderr) is missing
     assert "Traceback" not in result.stderr
     assert runs(env) == []
+
+
+def test_a_checkpoint_the_servers_cannot_load_is_one_line_in_the_log_tail(
+    env: dict[str, str], make_topology: Callable[..., Path], tmp_path: Path
+) -> None:
+    """config.json passes validate, but the checkpoint has no tokenizer: `pdctl up`
+    ends naming the server, and its log tail says what is wrong, not a traceback."""
+    from tests.conftest import REMOVE
+    from tests.serve.checkpoints import write_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path, "llama")
+    (checkpoint / "tokenizer.json").unlink()
+    path = make_topology(model={"path": str(checkpoint), "preset": REMOVE})
+    result = pdctl(env, "up", str(path))
+    assert result.returncode == 3, result.stderr
+    assert f"tp0: {checkpoint}: no tokenizer.json" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert runs(env) == []

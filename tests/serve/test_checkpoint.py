@@ -234,3 +234,30 @@ def test_pd_serves_each_architecture_as_transformers_decodes(
             assert result["output_ids"] == tokens, case
             assert result["meta_info"]["kv_transfer"]["digest_ok"] is True
         cluster.pools_full()
+
+
+@pytest.mark.parametrize("broken", ["missing", "no-tokenizer", "bad-safetensors"])
+def test_a_checkpoint_that_cannot_load_ends_the_server_on_one_line(
+    checkpoints, tmp_path, broken
+) -> None:
+    """The log tail the launcher shows: what is wrong and where, not a traceback."""
+    import shutil
+
+    from tests.serve.conftest import start_server
+
+    path = tmp_path / "ckpt"
+    if broken != "missing":
+        shutil.copytree(checkpoints["qwen3"], path)
+    if broken == "no-tokenizer":
+        (path / "tokenizer.json").unlink()
+    if broken == "bad-safetensors":
+        (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(RuntimeError) as died:
+        start_server("--model-path", str(path))
+    tail = str(died.value)
+    said = {
+        "missing": f"cannot read {path}/config.json: No such file or directory",
+        "no-tokenizer": f"{path}: no tokenizer.json",
+        "bad-safetensors": f"{path}/model.safetensors: not a readable safetensors file",
+    }[broken]
+    assert f"pdctl serve colocated tp0: {said}" in tail and "Traceback" not in tail, tail

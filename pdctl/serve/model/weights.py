@@ -23,6 +23,10 @@ from pdctl.staging.layout import rank_heads
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+class CheckpointError(ValueError):
+    """A local checkpoint that cannot be loaded; the message names the file and why."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     shape: ModelShape
@@ -46,9 +50,9 @@ def checkpoint_config(path: Path) -> ModelConfig:
     try:
         read = read_checkpoint_config(path)
     except OSError as exc:
-        raise ValueError(f"cannot read {path / 'config.json'}: {exc.strerror or exc}") from exc
+        raise CheckpointError(f"cannot read {path / 'config.json'}: {exc.strerror or exc}") from exc
     except ValueError as exc:
-        raise ValueError(f"{path / 'config.json'}: {exc}") from exc
+        raise CheckpointError(f"{path / 'config.json'}: {exc}") from exc
     return ModelConfig(
         read.shape,
         architecture=read.architecture,
@@ -241,22 +245,35 @@ def preset_source(seed: int, device: torch.device | None = None) -> Source:
 
 
 def checkpoint_source(path: Path) -> Source:
-    """Tensors from *.safetensors files (sharded or not), read lazily by name."""
-    from safetensors import safe_open
+    """Tensors from *.safetensors files (sharded or not), read lazily by name.
+
+    A file that cannot be read or parsed, or a missing tensor, is a CheckpointError.
+    """
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{path}: no *.safetensors files")
+        raise CheckpointError(f"{path}: no *.safetensors files")
     where: dict[str, Path] = {}
+
+    def unreadable(file: Path, exc: Exception) -> CheckpointError:
+        return CheckpointError(f"{file}: not a readable safetensors file ({exc})")
+
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                where[key] = file
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    where[key] = file
+        except (OSError, SafetensorError) as exc:
+            raise unreadable(file, exc) from exc
 
     def source(name: str, dims: tuple[int, ...]) -> torch.Tensor:
         if name not in where:
-            raise ValueError(f"{path}: the checkpoint has no tensor {name}")
-        with safe_open(str(where[name]), framework="pt") as handle:
-            return handle.get_tensor(name)
+            raise CheckpointError(f"{path}: the checkpoint has no tensor {name}")
+        try:
+            with safe_open(str(where[name]), framework="pt") as handle:
+                return handle.get_tensor(name)
+        except (OSError, SafetensorError) as exc:
+            raise unreadable(where[name], exc) from exc
 
     return source
