@@ -56,13 +56,18 @@ class MappedPools:
     def _open(
         self, peer: Peer, bases: Sequence[int], row_bytes: int, like: torch.Tensor
     ) -> list[torch.Tensor] | None:
-        views = []
+        raws = []
         for base in bases:
             raw = self.transport.mapped_view(peer, int(base))
             if raw is None or raw.device != like.device or row_bytes <= 0:
                 return None
-            rows = raw.numel() // row_bytes
-            if rows == 0 or raw.data_ptr() % like.element_size():
+            if raw.data_ptr() % like.element_size():
                 return None
-            views.append(raw[: rows * row_bytes].view(like.dtype).view(rows, -1))
-        return views
+            raws.append(raw)
+        # Every buffer as long as the shortest: a buffer registered as its own region
+        # (as decode registers its pool) is exactly that long; one inside a larger
+        # region is cut there, never reaching past the region it lies in.
+        rows = min(raw.numel() for raw in raws) // row_bytes
+        if rows == 0:
+            return None
+        return [raw[: rows * row_bytes].view(like.dtype).view(rows, -1) for raw in raws]

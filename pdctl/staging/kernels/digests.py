@@ -173,21 +173,24 @@ def launch_page_digest_sums(
 def _upload(device: torch.device, parts: list[np.ndarray | torch.Tensor | None]) -> list[Any]:
     """Integer arrays as int64 tensors on `device`: the host ones in one copy, those
     already on the device as they are (None stays None)."""
-    host = [
-        np.asarray(part, dtype=np.int64).reshape(-1)
-        for part in parts
-        if part is not None and not (isinstance(part, torch.Tensor) and part.device == device)
-    ]
-    joined = torch.from_numpy(np.concatenate(host)) if host else None
+
+    def here(part: np.ndarray | torch.Tensor | None) -> bool:
+        return part is None or (isinstance(part, torch.Tensor) and part.device == device)
+
+    # Each part starts 16-byte aligned (an even number of int64s), as Triton assumes of
+    # the pointers it compiled for: a part at another alignment would compile again.
+    host = [np.asarray(part, dtype=np.int64).reshape(-1) for part in parts if not here(part)]
+    padded = [np.pad(part, (0, len(part) % 2)) for part in host]
+    joined = torch.from_numpy(np.concatenate(padded)) if padded else None
     if joined is not None and device.type != "cpu":
         joined = joined.to(device, non_blocking=True)
     out: list[Any] = []
     offset = 0
     for part in parts:
-        if part is None or (isinstance(part, torch.Tensor) and part.device == device):
-            out.append(None if part is None else part.to(torch.int64))
+        if here(part):
+            out.append(None if part is None else part.to(torch.int64))  # type: ignore[union-attr]
             continue
         assert joined is not None
-        out.append(joined[offset : offset + len(part)])
-        offset += len(part)
+        out.append(joined[offset : offset + len(part)])  # type: ignore[arg-type]
+        offset += len(part) + len(part) % 2  # type: ignore[arg-type]
     return out
