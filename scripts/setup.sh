@@ -50,6 +50,11 @@ say "installing sglang==$SGLANG_VERSION with --no-deps, and its parser's imports
 pip install --no-deps "sglang==$SGLANG_VERSION"
 pip install "psutil==7.2.2" "pybase64==1.5.1" "msgspec==0.23.0" "pyzmq==27.3.0" \
   "ipython==9.18.1" "traitlets==5.16.1"
+# SGLang's serving benchmark client (python -m sglang.bench_serving, run against pdctl's
+# router in tests/serve/test_openai_client.py) imports `datasets` at start-up; it and the
+# modules it imports go in --no-deps too (datasets would otherwise pull a wide tree).
+pip install --no-deps "datasets==5.2.0" "multiprocess==0.70.19" "pandas==3.1.1" \
+  "pyarrow==26.0.1" "dill==0.4.1" "xxhash==4.1.0"
 
 "$VENV/bin/python" - <<'PY'
 import torch

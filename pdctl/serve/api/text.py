@@ -31,7 +31,8 @@ def visible_text(
         if trim and matched is not None and matched in text:
             return text[: text.index(matched)]
         return text
-    end = len(text)
+    # a stop string already whole: the request's finish is on its way
+    end = min([text.index(stop) for stop in stops if stop in text] + [len(text)])
     while end and text[end - 1] == REPLACEMENT:
         end -= 1
     held = 0
