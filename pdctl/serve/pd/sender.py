@@ -10,7 +10,10 @@ staging: for every segment, wait until decode offers a ring region (its watermar
 must show the region free), gather the head slice of the segment's pages into the
 staging buffer, write it at this writer's block offset, notify with the digests.
 direct (equal TP, or staging disabled): write the pages (or, with TP differing,
-each token's head slice) straight into decode's KV pages, then notify. Failures
+each token's head slice) straight into decode's KV pages, then notify. Where the
+transport maps decode's pool here, one launch writes and digests the pages
+(`mapped_write`), enqueued on the engine's thread behind the forward when decode
+registered in time, finished (waited for, notified) by the room's worker. Failures
 are reported with the decode rank they concern. A room's faults (`RoomFaults`) are
 drawn once and travel with its clock as one `RoomJob`; addresses and descriptors are
 computed by `staging.descriptors`.
@@ -34,14 +37,13 @@ from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.faults import RoomFaults
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import PeerCallError
+from pdctl.serve.pd.mapped_write import MappedWriter, StartedWrite
 from pdctl.staging import device as dev
 from pdctl.staging.buffer import init_staging_buffers
 from pdctl.staging.descriptors import KVRows, block_address, direct_descriptors, kv_bases
 from pdctl.staging.digest import block_digests
 from pdctl.staging.kernels import gather_all_layers_to_staging, start_page_digests
-from pdctl.staging.kernels.page_write import PeerPages, start_page_write
 from pdctl.staging.layout import HeadSlice, StagingLayout, head_slices, plan_segments
-from pdctl.staging.mapped import MappedPools
 from pdctl.staging.transport import Peer, Transport, TransportError
 
 log = logging.getLogger("pdctl.serve")
@@ -70,6 +72,7 @@ class RoomJob:
 
     faults: RoomFaults = field(default_factory=RoomFaults)
     clock: SendClock = field(default_factory=SendClock)
+    early: dict[int, StartedWrite] = field(default_factory=dict)  # decode rank -> started
 
 
 class KVSender:
@@ -102,15 +105,61 @@ class KVSender:
             self.buffers.put(buffer)
         transport.register_tensor(kv.kv)  # direct page writes read the pool itself
         self.kv_bases = kv_bases(kv.k_buffers, kv.v_buffers)  # [L0.K, L0.V, L1.K, ...]
-        self.mapped = MappedPools(transport)  # decode pools this transport maps here
+        self.mapped = MappedWriter(rank, kv, transport)
         self.peers: dict[str, Peer] = {}
         self.peers_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix=f"pdctl-send-{rank}")
         self._local = threading.local()
 
     def send(self, room: int, pages: list[int], num_tokens: int, ready: Any) -> None:
-        """Start sending `room` (pages hold the prompt's KV once `ready` completes)."""
-        self.executor.submit(self._run, room, pages, num_tokens, ready)
+        """Start sending `room` (pages hold the prompt's KV once `ready` completes).
+
+        Called on the engine's thread right after the forward: where decode already
+        registered and its pool is mapped here, the writes are enqueued now, behind
+        the forward on the engine's stream (`mapped_write`); a worker finishes them."""
+        try:
+            job = self._start_early(room, pages)
+        except Exception:  # the worker sends the room its usual way; the engine goes on
+            log.exception("room %s: an early write could not start", room)
+            job = None
+        self.executor.submit(self._run, room, pages, num_tokens, ready, job)
+
+    def _start_early(self, room: int, pages: list[int]) -> RoomJob | None:
+        state = self.snapshot(room, 0.0, {"ranks": 1})
+        registrations = state.get("registrations") or {}
+        if state.get("closed") or not registrations:
+            return None  # not yet registered: the worker waits for decode
+        job = RoomJob(RoomFaults.for_prefill(self.bootstrap_timeout + self.transfer_timeout + 2))
+        if job.faults.corrupt_kv or job.faults.delay_s is not None:
+            return job  # faults go the worker's way
+        decode_tp = proto.Registration.from_json(next(iter(registrations.values()))).decode_tp
+        for decode_rank, layout, writer in self._targets(decode_tp):
+            data = registrations.get(str(decode_rank))
+            if data is None:
+                continue
+            reg = proto.Registration.from_json(data)
+            with self.peers_lock:
+                peer = self.peers.get(reg.transport)  # connected before: nothing blocks here
+            if reg.mode != "direct" or peer is None:
+                continue
+            started = self.mapped.start(room, pages, reg, layout, writer, peer)
+            if started is not None:
+                job.early[decode_rank] = started
+        return job
+
+    def _targets(self, decode_tp: int) -> Iterator[tuple[int, StagingLayout, int]]:
+        """(decode rank, its layout, this rank's writer index) for each decode rank this
+        prefill rank writes heads to."""
+        head_dim, elem_bytes = self.kv.k_buffers[0].shape[2], self.kv.k_buffers[0].element_size()
+        for decode_rank in range(decode_tp):
+            slices = head_slices(self.heads, self.tp, decode_tp, decode_rank)
+            mine = [i for i, s in enumerate(slices) if s.prefill_rank == self.rank]
+            if mine:
+                yield (
+                    decode_rank,
+                    StagingLayout(len(self.kv.k_buffers), head_dim, elem_bytes, slices),
+                    mine[0],
+                )
 
     def _stream(self) -> Any:
         """This worker thread's own stream: a room's gathers and digests never queue
@@ -120,14 +169,16 @@ class KVSender:
             stream = self._local.stream = dev.create_device_stream(self.kv.kv.device)
         return stream
 
-    def _run(self, room: int, pages: list[int], num_tokens: int, ready: Any) -> None:
+    def _run(
+        self, room: int, pages: list[int], num_tokens: int, ready: Any, job: RoomJob | None
+    ) -> None:
         started = time.monotonic()
         try:
             # The pages hold the prompt's KV once `ready` completed (the engine sampled
             # the first token, so it usually has): the transport's own streams read them.
             ready.synchronize()
             with dev.device_stream_context(self._stream()):
-                stats = self._send(room, pages)
+                stats = self._send(room, pages, job)
             stats["transfer_ms"] = round((time.monotonic() - started) * 1e3, 3)
             self.report(room, {"rank": self.rank, "ok": True, **stats})
         except (SendFailed, TransportError, PeerCallError) as exc:
@@ -182,27 +233,32 @@ class KVSender:
         finally:
             self.buffers.put(buffer)
 
-    def _send(self, room: int, pages: list[int]) -> dict[str, Any]:
+    def _send(self, room: int, pages: list[int], job: RoomJob | None) -> dict[str, Any]:
         deadline = time.monotonic() + self.bootstrap_timeout
         decode_tp = self._registration(room, None, deadline).decode_tp
-        job = RoomJob(RoomFaults.for_prefill(self.bootstrap_timeout + self.transfer_timeout + 2))
+        if job is None:
+            job = RoomJob(
+                RoomFaults.for_prefill(self.bootstrap_timeout + self.transfer_timeout + 2)
+            )
         if job.faults.delay_s is not None:  # decode is waiting now; hold the room past it
             time.sleep(job.faults.delay_s)
         total, segments, busy = 0, 0, 0.0
-        for decode_rank in range(decode_tp):
-            slices = head_slices(self.heads, self.tp, decode_tp, decode_rank)
-            mine = [i for i, s in enumerate(slices) if s.prefill_rank == self.rank]
-            if not mine:
+        for decode_rank, layout, writer in self._targets(decode_tp):
+            early = job.early.get(decode_rank)
+            if early is not None:  # enqueued behind the forward: wait, notify
+                busy += self.mapped.finish(early)
+                total += early.nbytes
                 continue
             registration = self._registration(room, decode_rank, deadline)
-            layout = StagingLayout(
-                len(self.kv.k_buffers), registration.head_dim, registration.elem_bytes, slices
-            )
+            layout = StagingLayout(  # decode's row shape, as it registered
+                len(self.kv.k_buffers), registration.head_dim, registration.elem_bytes,
+                layout.slices,
+            )  # fmt: skip
             started = time.perf_counter()
             if registration.mode == "staging":
-                sent, count, waited = self._staged(room, pages, registration, layout, mine[0], job)
+                sent, count, waited = self._staged(room, pages, registration, layout, writer, job)
             else:
-                sent, count = self._direct(room, pages, registration, layout, mine[0], job)
+                sent, count = self._direct(room, pages, registration, layout, writer, job)
                 waited = 0.0
             busy += time.perf_counter() - started - waited
             total, segments = total + sent, segments + count
@@ -364,26 +420,11 @@ class KVSender:
     ) -> int | None:
         """Where the transport maps decode's pool here: the pages and their digests in
         one launch, then the notification alone (None: not mapped, use descriptors)."""
-        first = self.kv.k_buffers[0]
-        if reg.head_dim != first.shape[2] or reg.elem_bytes != first.element_size():
+        started = self.mapped.start(room, pages, reg, layout, writer, peer)
+        if started is None:
             return None
-        bases = [address for pair in reg.kv_bases for address in pair]
-        buffers = self.mapped.buffers(peer, bases, reg.kv_heads, reg.head_dim, first)
-        if buffers is None:
-            return None
-        plan, piece = self._plan(pages, layout, reg), layout.slices[writer]
-        pending = start_page_write(
-            self.kv.k_buffers, self.kv.v_buffers, pages,
-            PeerPages(buffers, reg.pages, piece.dst_head_start),
-            [(segment.page_start, segment.num_pages) for segment in plan],
-            head_start=piece.src_head_start, num_heads=piece.num_heads,
-            page_size=self.kv.page_size,
-        )  # fmt: skip
-        digests = [d for part in pending.result() for d in part]  # waits: the bytes are there
-        nbytes = layout.block_bytes(writer, len(pages) * self.kv.page_size)
-        notice = proto.notify_message(room, proto.DIRECT_SEGMENT, self.rank, digests, nbytes)
-        self.transport.notify(peer, notice)
-        return nbytes
+        self.mapped.finish(started)
+        return started.nbytes
 
     def _corrupt_remote(self, peer: Peer, src: int, dst: int, notify: bytes) -> None:
         """Overwrite the byte at `dst` with the byte at `src` (just sent there) flipped."""

@@ -1,0 +1,107 @@
+"""Prefill's mapped write: a room's pages into decode's pool, where the transport maps it.
+
+Where the builtin transport maps decode's device memory here (same host, device
+IPC), one launch writes the pages and digests them (`kernels.page_write`); only the
+notification travels. `start` enqueues that launch on the calling thread's current
+stream and returns at once; `finish` waits for it and sends the notification.
+
+The sender starts a room's writes on the engine's thread when decode registered
+before the forward ended: the launch then queues right behind the forward on the
+engine's stream (no host wait for the KV to be ready in between), and a worker
+thread finishes it. The write's time is its host work plus the device's time from
+the launch's start to its end (timed by device events), so time the forward spent
+before it is not counted.
+
+What this does not know: rooms, registrations' arrival, faults.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdctl.serve.engine.kv_pool import KVPool
+from pdctl.serve.pd import protocol as proto
+from pdctl.staging import device as dev
+from pdctl.staging.kernels import PendingDigests
+from pdctl.staging.kernels.page_write import PeerPages, start_page_write
+from pdctl.staging.layout import StagingLayout, plan_segments
+from pdctl.staging.mapped import MappedPools
+from pdctl.staging.transport import Peer, Transport
+
+
+@dataclass
+class StartedWrite:
+    """One decode rank's mapped write, enqueued (`MappedWriter.start`)."""
+
+    room: int
+    peer: Peer
+    pending: PendingDigests
+    began: Any  # device event before the launch (timing)
+    ended: Any  # device event after it
+    nbytes: int
+    host_s: float  # host time spent enqueueing
+
+
+class MappedWriter:
+    def __init__(self, rank: int, kv: KVPool, transport: Transport) -> None:
+        self.rank, self.kv, self.transport = rank, kv, transport
+        self.pools = MappedPools(transport)  # decode pools this transport maps here
+
+    def start(
+        self,
+        room: int,
+        pages: list[int],
+        reg: proto.Registration,
+        layout: StagingLayout,
+        writer: int,
+        peer: Peer,
+    ) -> StartedWrite | None:
+        """Enqueue the write on the current stream (None: decode's pool is not mapped
+        here, or its rows differ from ours; the caller writes by descriptors)."""
+        began_s = time.perf_counter()
+        first = self.kv.k_buffers[0]
+        if reg.head_dim != first.shape[2] or reg.elem_bytes != first.element_size():
+            return None
+        bases = [address for pair in reg.kv_bases for address in pair]
+        buffers = self.pools.buffers(peer, bases, reg.kv_heads, reg.head_dim, first)
+        if buffers is None:
+            return None
+        plan = plan_segments(
+            len(pages), self.kv.page_size, layout.bytes_per_token(), reg.segment_bytes
+        )
+        piece = layout.slices[writer]
+        stream = dev.current_device_stream(first.device)
+        began, ended = _timing_event(first.device), _timing_event(first.device)
+        began.record(stream)
+        pending = start_page_write(
+            self.kv.k_buffers, self.kv.v_buffers, pages,
+            PeerPages(buffers, reg.pages, piece.dst_head_start),
+            [(segment.page_start, segment.num_pages) for segment in plan],
+            head_start=piece.src_head_start, num_heads=piece.num_heads,
+            page_size=self.kv.page_size,
+        )  # fmt: skip
+        ended.record(stream)
+        nbytes = layout.block_bytes(writer, len(pages) * self.kv.page_size)
+        host_s = time.perf_counter() - began_s
+        return StartedWrite(room, peer, pending, began, ended, nbytes, host_s)
+
+    def finish(self, started: StartedWrite) -> float:
+        """Wait for the write, send its notification; returns the write's seconds."""
+        started.ended.synchronize()  # the bytes are in decode's pool
+        began_s = time.perf_counter()
+        digests = [d for part in started.pending.result() for d in part]
+        notice = proto.notify_message(
+            started.room, proto.DIRECT_SEGMENT, self.rank, digests, started.nbytes
+        )
+        self.transport.notify(started.peer, notice)
+        device_s = started.began.elapsed_time(started.ended) / 1e3
+        return started.host_s + device_s + time.perf_counter() - began_s
+
+
+def _timing_event(device: torch.device) -> Any:
+    module = dev.get_device_module(device)
+    return module.Event(enable_timing=True)
