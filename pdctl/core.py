@@ -1,8 +1,9 @@
-"""Shared vocabulary: roles, device types and model shapes.
+"""Shared vocabulary: roles, device types, model shapes and what a checkpoint declares.
 
 Everything here is plain data that several packages need to agree on (the topology
 validator, the engines, the servers). It does no I/O except reading a checkpoint's
-`config.json`, and imports nothing else from pdctl.
+`config.json` (`read_checkpoint_config`: the one reader of what the embedded engine
+computes, used by its loader and by `pdctl validate`), and imports nothing else from pdctl.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Weights are generated or loaded whole, then sliced for the rank, so every rank o
 every TP size sees the same numbers. They are stored ready for `ops.matmul`:
 transposed ([in, out]) with the output width padded to `ops.TILE`, q/k/v and
 gate/up fused, and the row-parallel products (o, down) cut into this rank's share
-of `ops.REDUCTION_CHUNKS` chunks.
+of `ops.REDUCTION_CHUNKS` chunks. Checkpoints: Llama (Llama 3.x RoPE scaling), Qwen2
+(q/k/v biases), Qwen3 (q/k head norms) and Mistral (sliding window), as
+`core.read_checkpoint_config` reads them.
 """
 
 from __future__ import annotations
