@@ -149,10 +149,10 @@ def launch_page_digest_sums(
     The segment table and page ids go up in one copy; nothing here waits for the device.
     """
     device = source.table.device
-    block_c = min(triton.next_power_of_2(num_cols), 1024)
+    block_c = min(1 << (num_cols - 1).bit_length(), 1024)  # (plain integers: no Triton call)
     block_t = max(1, min(4096 // block_c, 256))
     longest = max(num_pages for _, num_pages in segments) * page_size
-    blocks = triton.cdiv(longest, block_t)
+    blocks = -(-longest // block_t)
     flat = np.array(segments, dtype=np.int64).reshape(-1, 2)
     flat[:, 1] *= page_size
     described, pages, dst_pages = _upload(
@@ -179,24 +179,29 @@ def launch_page_digest_sums(
 def _upload(device: torch.device, parts: list[np.ndarray | torch.Tensor | None]) -> list[Any]:
     """Integer arrays as int64 tensors on `device`: the host ones in one copy, those
     already on the device as they are (None stays None)."""
-
-    def here(part: np.ndarray | torch.Tensor | None) -> bool:
-        return part is None or (isinstance(part, torch.Tensor) and part.device == device)
-
+    out: list[Any] = []
+    host: list[tuple[int, np.ndarray]] = []  # (index in parts, the ids)
+    for index, part in enumerate(parts):
+        if part is None or (isinstance(part, torch.Tensor) and part.device == device):
+            out.append(None if part is None else part.to(torch.int64))
+        else:
+            out.append(None)
+            host.append((index, np.asarray(part, dtype=np.int64)))
+    if not host:
+        return out
     # Each part starts 16-byte aligned (an even number of int64s), as Triton assumes of
     # the pointers it compiled for: a part at another alignment would compile again.
-    host = [np.asarray(part, dtype=np.int64).reshape(-1) for part in parts if not here(part)]
-    padded = [np.pad(part, (0, len(part) % 2)) for part in host]
-    joined = torch.from_numpy(np.concatenate(padded)) if padded else None
-    if joined is not None and device.type != "cpu":
-        joined = joined.to(device, non_blocking=True)
-    out: list[Any] = []
+    sizes = [len(ids) + len(ids) % 2 for _, ids in host]
+    joined = np.empty(sum(sizes), dtype=np.int64)
     offset = 0
-    for part in parts:
-        if here(part):
-            out.append(None if part is None else part.to(torch.int64))  # type: ignore[union-attr]
-            continue
-        assert joined is not None
-        out.append(joined[offset : offset + len(part)])  # type: ignore[arg-type]
-        offset += len(part) + len(part) % 2  # type: ignore[arg-type]
+    for (_, ids), size in zip(host, sizes, strict=True):
+        joined[offset : offset + len(ids)] = ids
+        offset += size
+    uploaded = torch.from_numpy(joined)
+    if device.type != "cpu":
+        uploaded = uploaded.to(device, non_blocking=True)
+    offset = 0
+    for (index, ids), size in zip(host, sizes, strict=True):
+        out[index] = uploaded[offset : offset + len(ids)]
+        offset += size
     return out

@@ -31,7 +31,6 @@ from pdctl.staging.kernels import (
     _backend_for,
     _check_heads,
     _check_host_pages,
-    checked_pages,
     prepare_kv,
     start_page_digests,
 )
@@ -139,14 +138,10 @@ def start_page_write(
             f"target heads [{target.head_start}, {target.head_start + num_heads}) are outside "
             f"the target's {checked.num_heads} KV heads"
         )
-    pages = checked_pages(page_indices, page_size, info)
-    dst_pages = torch.as_tensor(target.pages)
-    if dst_pages.dim() != 1 or dst_pages.numel() != pages.numel():
-        raise ValueError(
-            f"the target names {dst_pages.numel()} pages for the source's {pages.numel()}"
-        )
-    if dst_pages.device.type == "cpu" and dst_pages.numel():
-        _check_host_pages(dst_pages.numpy(), checked.num_pages)
+    pages = _page_ids(page_indices, info.pool_tokens // page_size)
+    dst_pages = _page_ids(target.pages, checked.num_pages)
+    if len(dst_pages) != len(pages):
+        raise ValueError(f"the target names {len(dst_pages)} pages for the source's {len(pages)}")
     head_bytes = info.head_dim * info.elem_bytes
     name = _backend_for(info, backend)
     if name == "triton" and kvset.max_word >= 4 and head_bytes % 4 == 0 and segments:
@@ -168,7 +163,7 @@ def start_page_write(
 def _launch(
     views: list[torch.Tensor],
     checked: _Checked,
-    page_lists: tuple[torch.Tensor, torch.Tensor],
+    page_lists: tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor],
     segments: Sequence[tuple[int, int]],
     page_size: int,
     col_starts: tuple[int, int],
@@ -179,12 +174,12 @@ def _launch(
     from pdctl.staging.kernels.digests import PageRows, launch_page_digest_sums
 
     for start, count in segments:
-        if start < 0 or count < 1 or start + count > pages.numel():
+        if start < 0 or count < 1 or start + count > len(pages):
             raise ValueError(
-                f"segment of pages [{start}, {start + count}) is outside the {pages.numel()} pages"
+                f"segment of pages [{start}, {start + count}) is outside the {len(pages)} pages"
             )
-    source = PageRows(_DIGEST_TABLES.get(views), _host(pages), views[0].shape[1], col_starts[0])
-    target = PageRows(checked.table, _host(dst_pages), checked.views[0].shape[1], col_starts[1])
+    source = PageRows(_DIGEST_TABLES.get(views), pages, views[0].shape[1], col_starts[0])
+    target = PageRows(checked.table, dst_pages, checked.views[0].shape[1], col_starts[1])
     sums = launch_page_digest_sums(
         source, list(segments), num_buffers=len(views), page_size=page_size, num_cols=num_cols,
         target=target,
@@ -193,8 +188,24 @@ def _launch(
     return PendingDigests(sums, words, len(views))
 
 
-def _host(pages: torch.Tensor) -> np.ndarray | torch.Tensor:
-    return pages.numpy() if pages.device.type == "cpu" else pages
+def _page_ids(pages: PageIndices, num_pages: int) -> np.ndarray | torch.Tensor:
+    """Host page ids as int64 numpy, range- and duplicate-checked against `num_pages`;
+    ids already on a device as they are (checking them would wait for the device)."""
+    if isinstance(pages, torch.Tensor):
+        if pages.dim() != 1 or pages.dtype.is_floating_point or pages.dtype == torch.bool:
+            raise ValueError(
+                f"page ids must be a 1-D integer sequence, got {pages.dtype} {tuple(pages.shape)}"
+            )
+        if pages.device.type != "cpu":
+            return pages
+        ids = pages.numpy().astype(np.int64, copy=False)
+    else:
+        ids = np.asarray(pages, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ValueError(f"page ids must be a 1-D integer sequence, got shape {ids.shape}")
+    if len(ids):
+        _check_host_pages(ids, num_pages)
+    return ids
 
 
 def write_pages_reference(
