@@ -106,6 +106,7 @@ class KVSender:
         transport.register_tensor(kv.kv)  # direct page writes read the pool itself
         self.kv_bases = kv_bases(kv.k_buffers, kv.v_buffers)  # [L0.K, L0.V, L1.K, ...]
         self.mapped = MappedWriter(rank, kv, transport)
+        self._said_early = False  # logged once: writes enqueued on the engine's thread
         self.peers: dict[str, Peer] = {}
         self.peers_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix=f"pdctl-send-{rank}")
@@ -145,6 +146,9 @@ class KVSender:
             started = self.mapped.start(room, pages, reg, layout, writer, peer)
             if started is not None:
                 job.early[decode_rank] = started
+        if job.early and not self._said_early:
+            self._said_early = True
+            log.info("room %s: KV writes start behind the forward (decode pool mapped)", room)
         return job
 
     def _targets(self, decode_tp: int) -> Iterator[tuple[int, StagingLayout, int]]:
