@@ -183,27 +183,126 @@ def test_nothing_from_the_network_is_unpickled() -> None:
     assert found == []
 
 
-def test_http_layer_functions_stay_under_80_lines() -> None:
-    """The HTTP API and the router read part by part: no function over 80 lines."""
-    long = []
-    for folder in ("serve/api", "serve/router"):
-        for path in sorted((PACKAGE / folder).glob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    length = (node.end_lineno or node.lineno) - node.lineno + 1
-                    if length > 80:
-                        long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}")
-    assert long == []
+# Functions over 80 lines in files another engineer is restructuring now; each is split
+# there and its line removed (the list is to be emptied, never added to).
+LONG_FUNCTIONS_ALLOWED: set[str] = set()
 
 
-def test_verify_functions_stay_under_80_lines() -> None:
-    """verify is kept easy to change: no function of the package over 80 lines (the rule
-    goes package-wide with the typed-seams issue)."""
+def test_no_function_over_80_lines() -> None:
+    """The package reads part by part: no function or method over 80 lines."""
     long = []
-    for path in sorted((PACKAGE / "verify").glob("*.py")):
+    for path in SOURCES:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = (node.end_lineno or node.lineno) - node.lineno + 1
-                if length > 80:
-                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({length})")
+                where = f"{path.relative_to(PACKAGE).as_posix()}:{node.name}"
+                if length > 80 and where not in LONG_FUNCTIONS_ALLOWED:
+                    long.append(f"{where} ({length} lines, line {node.lineno})")
     assert long == []
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """The pdctl modules `path` imports when it is imported: statements at module level
+    (also inside if/try there), not those inside functions or under TYPE_CHECKING.
+    `from pkg import sub` depends on the module `pkg.sub` where that is a module."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.If) and not _is_type_checking(node):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+                for handler in node.handlers:
+                    visit(handler.body)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    parts = parts[: len(parts) - node.level + 1]
+                    base = ".".join([*parts, *([node.module] if node.module else [])])
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    found.add(sub if sub in MODULES else base)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")).body)
+    return {name for name in found if name in MODULES and name != me}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                members = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    members.append(member)
+                    if member == node:
+                        break
+                if len(members) > 1:
+                    cycles.append(sorted(members))
+    return cycles
+
+
+def test_no_import_circles() -> None:
+    """No two modules import each other, directly or round a longer circle."""
+    graph = {name: module_level_imports(path) for name, path in MODULES.items()}
+    described = [
+        " -> ".join(f"{m} (imports {sorted(graph[m] & set(c))})" for m in c)
+        for c in import_cycles(graph)
+    ]
+    assert described == []
+
+
+def test_the_cycle_rule_sees_a_circle() -> None:
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []

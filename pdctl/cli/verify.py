@@ -88,11 +88,15 @@ def verify(
         timeout=timeout,
     )
     progress = console.info if not (opts.quiet or stdout_json) else (lambda _: None)
-    report = session.verify(chosen, progress)
-    _write(report, json_file, junit, stdout_json)
+    conclude(session.verify(chosen, progress), json_file, junit, stdout_json)
+
+
+def conclude(report: Report, json_file: Path | None, junit: Path | None, stdout: bool) -> None:
+    """Write the reports, show the verdict, and fail the command on what blocks."""
+    _write(report, json_file, junit, stdout)
     if report.error is not None:  # the launch failed, or this machine cannot run it
         raise report.error
-    if not stdout_json:
+    if not stdout:
         render(report)
     if report.verdict == "fail":
         raise CheckFailed(

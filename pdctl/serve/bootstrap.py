@@ -234,6 +234,16 @@ def bootstrap_app(
     async def get_info() -> dict[str, Any]:
         return info
 
+    add_registration_routes(app, rooms)
+    add_room_routes(app, rooms)
+    if embeddings is not None:
+        add_embedding_routes(app, embeddings)
+    return app
+
+
+def add_registration_routes(app: FastAPI, rooms: Rooms) -> None:
+    """Decode's side: a rank registers a room, then offers more ring regions."""
+
     @app.post("/bootstrap/register")
     async def register(request: HttpRequest) -> dict[str, Any]:
         try:
@@ -255,6 +265,10 @@ def bootstrap_app(
             raise BootstrapError(f"malformed segments: {exc}", 400) from None
         rooms.add_segments(room, rank, regions)
         return {"ok": True}
+
+
+def add_room_routes(app: FastAPI, rooms: Rooms) -> None:
+    """A room's state and result (long-polled), decode's failure, prefill ranks' reports."""
 
     @app.get("/bootstrap/room/{room}")
     async def room_state(
@@ -294,9 +308,6 @@ def bootstrap_app(
         rooms.fail(room, reason[:2000])
         return {"ok": True}
 
-    if embeddings is not None:
-        add_embedding_routes(app, embeddings)
-
     @app.post("/internal/sent")
     async def sent(request: HttpRequest) -> dict[str, Any]:
         try:
@@ -306,8 +317,6 @@ def bootstrap_app(
             raise BootstrapError(f"malformed send report: {exc}", 400) from None
         rooms.report_sent(room, rank, body)
         return {"ok": True}
-
-    return app
 
 
 def add_embedding_routes(app: FastAPI, embeddings: EmbeddingReceiver) -> None:

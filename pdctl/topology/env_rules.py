@@ -9,15 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from pdctl.core import DEVICE_VISIBILITY_VARS
-from pdctl.topology.issues import Issue, KeyPath
+from pdctl.topology.issues import Issue, KeyPath, RuleContext
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import merged_user_env
-
-if TYPE_CHECKING:
-    from pdctl.topology.rules import RuleContext
 
 # Variables whose values pdctl can check, with the values their readers accept.
 KNOWN_VALUES: dict[str, tuple[str, ...]] = {

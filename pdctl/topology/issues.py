@@ -9,12 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal
 
 from pdctl.errors import UsageError
 
 KeyPath = tuple[str | int, ...]
 Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    """What a rule is given besides the topology."""
+
+    base_dir: Path  # directory of the topology file: relative paths start here
 
 
 def dotted(path: KeyPath) -> str:

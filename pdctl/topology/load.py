@@ -12,10 +12,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from pdctl.topology.issues import Issue, TopologyError, errors_only
+from pdctl.topology.issues import Issue, RuleContext, TopologyError, errors_only
 from pdctl.topology.messages import translate_all
 from pdctl.topology.model import Topology
-from pdctl.topology.rules import RuleContext, model_path, run_rules
+from pdctl.topology.rules import model_path, run_rules
 from pdctl.topology.source import SourceMap, SourceProblem, decode_text, kind_of, parse
 
 MAX_FILE_BYTES = 1 << 20  # a topology is a few KB; refuse to parse anything huge

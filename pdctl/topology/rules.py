@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from pdctl.core import (
@@ -22,16 +21,11 @@ from pdctl.core import (
     supported_checkpoints,
 )
 from pdctl.topology.env_rules import env_rules, transfer_rules
-from pdctl.topology.issues import Issue
+from pdctl.topology.issues import Issue, RuleContext
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import assign_devices, requirements
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-@dataclass(frozen=True)
-class RuleContext:
-    base_dir: Path  # directory of the topology file: relative paths start here
 
 
 Rule = Callable[[Topology, RuleContext], Iterable[Issue]]
