@@ -10,6 +10,12 @@ import sys
 from pdctl.serve.args import parse
 from pdctl.serve.ranks import first_of_many, spawn_ranks
 
+# KV transfer threads (prefill's senders, decode's receivers) run beside the engine's
+# loop, which holds the GIL between kernels; every torch call or socket write they make
+# gives the GIL up and waits for it again, by default up to 5 ms each (CPython's switch
+# interval). A PD server hands it over sooner, so a write is not ms of waiting in turn.
+TRANSFER_SWITCH_INTERVAL_S = 0.0005
+
 ROLES = {
     "colocated": "pdctl.serve.roles.colocated",
     "prefill": "pdctl.serve.roles.prefill",
@@ -32,6 +38,8 @@ def main(argv: list[str]) -> None:
     from pdctl.serve.model.weights import CheckpointError  # torch: not for the router
     from pdctl.serve.runtime import start_rank
 
+    if args.role in ("prefill", "decode"):
+        sys.setswitchinterval(TRANSFER_SWITCH_INTERVAL_S)
     role = importlib.import_module(ROLES[args.role])
     try:
         rank = start_rank(args, argv, children)

@@ -98,21 +98,15 @@ def _page_digest_kernel(  # type: ignore[no-untyped-def]
         dst_rows = (dst_page.to(tl.int64) * page_size + tokens % page_size) * dst_row_words
         dst_rows += dst_col_start
         dst_base = tl.load(dst_table_ptr + buffer).to(tl.pointer_type(tl.int32))
-    # Per row t: sum_c x_tc (2 (t NUM_COLS + c) + 1)
-    #          = (2 t NUM_COLS + 1) sum_c x_tc + 2 sum_c c x_tc   (mod 2**64, exactly)
-    # so each word costs a widening 32-bit product and two adds, not a 64-bit product.
-    plain = tl.zeros([BLOCK_T], dtype=tl.int64)
-    by_col = tl.zeros([BLOCK_T], dtype=tl.int64)
+    total = tl.zeros([BLOCK_T], dtype=tl.int64)
     for c in tl.static_range(0, NUM_COLS, BLOCK_C):
         cols = c + tl.arange(0, BLOCK_C)
         mask = token_mask[:, None] & (cols < NUM_COLS)[None, :]
         x = tl.load(base + rows[:, None] + cols[None, :], mask=mask, other=0)
         if STORE:
             tl.store(dst_base + dst_rows[:, None] + cols[None, :], x, mask=mask)
-        wide = x.to(tl.int64)
-        plain += tl.sum(wide, axis=1)
-        by_col += tl.sum(wide * cols.to(tl.int64)[None, :], axis=1)
-    total = plain * (tokens * (2 * NUM_COLS) + 1) + 2 * by_col
+        index = tokens[:, None] * NUM_COLS + cols[None, :]
+        total += tl.sum(x.to(tl.int64) * (index * 2 + 1), axis=1)
     tl.store(partial_ptr + slot * blocks + tl.program_id(1), tl.sum(total, axis=0))
 
 
