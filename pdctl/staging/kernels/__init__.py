@@ -229,6 +229,9 @@ def scatter_staging_to_kv(
 _DIGEST_TABLES: BufferCache[torch.Tensor] = BufferCache(
     lambda views: pointer_table(views, views[0].device)
 )
+_ALIGNED: BufferCache[bool] = BufferCache(  # every buffer starts at 16 bytes
+    lambda views: all(view.data_ptr() % 16 == 0 for view in views)
+)
 
 
 @dataclass
@@ -305,8 +308,9 @@ def start_page_digests(
         views = kvset.views(4)
         num_cols = num_heads * head_bytes // 4
         rows = PageRows(
-            _DIGEST_TABLES.get(views), pages, views[0].shape[1], head_start * head_bytes // 4
-        )
+            _DIGEST_TABLES.get(views), pages, views[0].shape[1], head_start * head_bytes // 4,
+            _ALIGNED.get(views),
+        )  # fmt: skip
         sums = launch_page_digest_sums(
             rows, list(segments), num_buffers=len(views), page_size=page_size, num_cols=num_cols
         )

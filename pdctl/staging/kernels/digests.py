@@ -77,12 +77,14 @@ def _page_digest_kernel(  # type: ignore[no-untyped-def]
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     STORE: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     """Program (s * num_buffers + b, j): token block j of segment s in buffer b, read in
     place from its pages; word i of the chunk the gather would make is token t's column
     c (i = t * NUM_COLS + c), weighted 2 i + 1. With STORE, each word read is also
     stored at the same token's row of the target's page, columns from dst_col_start
-    (the write and its digest in one read)."""
+    (the write and its digest in one read). VEC: every row, column start, column count
+    and buffer base is a multiple of VEC words (16 bytes at VEC 4), so accesses vectorise."""
     slot = tl.program_id(0)
     segment = slot // num_buffers
     buffer = slot % num_buffers
@@ -92,15 +94,17 @@ def _page_digest_kernel(  # type: ignore[no-untyped-def]
     token_mask = tokens < num_tokens
     page = tl.load(pages_ptr + page_start + tokens // page_size, mask=token_mask, other=0)
     rows = (page.to(tl.int64) * page_size + tokens % page_size) * row_words + col_start
-    base = tl.load(table_ptr + buffer).to(tl.pointer_type(tl.int32))
+    rows = tl.multiple_of(rows, VEC)
+    base = tl.multiple_of(tl.load(table_ptr + buffer).to(tl.pointer_type(tl.int32)), 4 * VEC)
     if STORE:
         dst_page = tl.load(dst_pages_ptr + page_start + tokens // page_size, mask=token_mask)
         dst_rows = (dst_page.to(tl.int64) * page_size + tokens % page_size) * dst_row_words
-        dst_rows += dst_col_start
+        dst_rows = tl.multiple_of(dst_rows + dst_col_start, VEC)
         dst_base = tl.load(dst_table_ptr + buffer).to(tl.pointer_type(tl.int32))
+        dst_base = tl.multiple_of(dst_base, 4 * VEC)
     total = tl.zeros([BLOCK_T], dtype=tl.int64)
     for c in tl.static_range(0, NUM_COLS, BLOCK_C):
-        cols = c + tl.arange(0, BLOCK_C)
+        cols = tl.max_contiguous(tl.multiple_of(c + tl.arange(0, BLOCK_C), VEC), BLOCK_C)
         mask = token_mask[:, None] & (cols < NUM_COLS)[None, :]
         x = tl.load(base + rows[:, None] + cols[None, :], mask=mask, other=0)
         if STORE:
@@ -110,7 +114,9 @@ def _page_digest_kernel(  # type: ignore[no-untyped-def]
     tl.store(partial_ptr + slot * blocks + tl.program_id(1), tl.sum(total, axis=0))
 
 
-_PAGE_DIGESTS = DirectLauncher(_page_digest_kernel, ("NUM_COLS", "BLOCK_T", "BLOCK_C", "STORE"))
+_PAGE_DIGESTS = DirectLauncher(
+    _page_digest_kernel, ("NUM_COLS", "BLOCK_T", "BLOCK_C", "STORE", "VEC")
+)
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,11 @@ class PageRows:
     pages: np.ndarray | torch.Tensor  # host ids, or ids already on the device
     row_words: int
     col_start: int
+    aligned: bool = False  # every base address in the table is 16-byte aligned
+
+    def vec(self) -> int:
+        """4 where every row and the slice start at 16 bytes, else 1."""
+        return 4 if self.aligned and self.row_words % 4 == 0 and self.col_start % 4 == 0 else 1
 
 
 def launch_page_digest_sums(
@@ -163,10 +174,11 @@ def launch_page_digest_sums(
         num_buffers, page_size, source.row_words, source.col_start, dst_row_words,
         dst_col_start, blocks,
     )  # fmt: skip
+    vec = min(source.vec(), 4 if target is None else target.vec())
+    vec = vec if num_cols % vec == 0 else 1
+    constexprs = (num_cols, block_t, block_c, target is not None, vec)
     with dev.device_context(device):  # Triton launches on the thread's current device
-        _PAGE_DIGESTS(
-            (slots, blocks, 1), pointers, ints, (num_cols, block_t, block_c, target is not None), 8
-        )
+        _PAGE_DIGESTS((slots, blocks, 1), pointers, ints, constexprs, 8)
     return partial.sum(dim=1)
 
 

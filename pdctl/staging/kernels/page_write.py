@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pdctl.staging.kernels import (
+    _ALIGNED,
     _DIGEST_TABLES,
     PageIndices,
     PendingDigests,
@@ -58,6 +59,7 @@ class _Checked:
     views: list[torch.Tensor]  # [pool_tokens, row_words] int32
     num_heads: int
     num_pages: int
+    aligned: bool  # every buffer starts at 16 bytes
 
 
 def _check_target(
@@ -87,8 +89,9 @@ def _check_target(
         raise ValueError(f"target pool of {first.shape[0]} tokens is not whole {page_size}-pages")
     views = [b.view(b.shape[0], -1).view(torch.int32) for b in buffers]
     return _Checked(
-        _DIGEST_TABLES.get(views), views, int(first.shape[1]), first.shape[0] // page_size
-    )
+        _DIGEST_TABLES.get(views), views, int(first.shape[1]), first.shape[0] // page_size,
+        _ALIGNED.get(views),
+    )  # fmt: skip
 
 
 _TARGET_LOCK = threading.Lock()
@@ -178,8 +181,12 @@ def _launch(
             raise ValueError(
                 f"segment of pages [{start}, {start + count}) is outside the {len(pages)} pages"
             )
-    source = PageRows(_DIGEST_TABLES.get(views), pages, views[0].shape[1], col_starts[0])
-    target = PageRows(checked.table, dst_pages, checked.views[0].shape[1], col_starts[1])
+    source = PageRows(
+        _DIGEST_TABLES.get(views), pages, views[0].shape[1], col_starts[0], _ALIGNED.get(views)
+    )
+    target = PageRows(
+        checked.table, dst_pages, checked.views[0].shape[1], col_starts[1], checked.aligned
+    )
     sums = launch_page_digest_sums(
         source, list(segments), num_buffers=len(views), page_size=page_size, num_cols=num_cols,
         target=target,
