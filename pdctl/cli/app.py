@@ -8,6 +8,7 @@ import typer
 
 from pdctl import __version__
 from pdctl.cli.bench import bench_app
+from pdctl.cli.bench_soak import soak
 from pdctl.cli.common import JsonOption, Options, PdctlGroup, QuietOption, VerboseOption, options
 from pdctl.cli.doctor import doctor
 from pdctl.cli.down import down
@@ -63,6 +64,7 @@ app.command()(down)
 app.command()(verify)
 app.command()(nightly)
 app.command()(doctor)
+bench_app.command("soak")(soak)
 app.add_typer(bench_app, name="bench")
 
 

@@ -1,147 +1,211 @@
 """`pdctl bench soak`: many requests through a PD topology, per transport, nothing lost.
 
-For each transport the topology is launched with a staging ring small enough that
-the soak wraps it many times. A set of distinct prompts of mixed lengths is sent
-once, serially: the reference. Then `requests` requests drawn from that set run
-`concurrency` at a time. The soak passes when no request failed, every output is
-token-exact with its serial reference, the KV pools and staging rings are back to
-full and empty at the end (`/get_server_info`), and no server's resident memory
-(its whole process group: every TP rank) grew by 10 % or more from warm-up to end.
+For each transport the topology is launched (real processes on loopback: prefill,
+decode with its TP ranks, router) with a staging ring small enough that the soak
+wraps it many times. A set of distinct prompts of mixed lengths, within the
+vocabulary and context the servers report (`/get_model_info`), is sent once,
+serially, at temperature 0: the reference, the first PD answer of each prompt. Then
+`requests` requests drawn from that set run `concurrency` at a time
+(`soak_load.py`), each bounded by a timeout, and every answer is compared token by
+token with its prompt's reference (a request that fails, or one whose tokens
+differ, counts; CI proves both are caught, with injected faults).
+
+The resident memory of every process of the run (`rss.py`: each PID of each
+server's group, TP ranks and the router included) is sampled when the `warmup`-th
+request completed and again when the last did; growth of `RSS_LIMIT_PCT` or more in
+any of them fails the soak, as do a failure, a mismatch, or a KV pool or staging
+ring not fully back at the end (`Run.pools_back`). The run is torn down whatever
+happens (`Run.serving`), Ctrl-C included.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from pdctl.launch import rss
 from pdctl.launch.bench import variant
 from pdctl.launch.launcher import make_run
 from pdctl.launch.plan import load_checked, make_plan
-from pdctl.launch.processes import group_members
 from pdctl.launch.requirements import unmet
 from pdctl.launch.run import Run
+from pdctl.launch.soak_load import Load, Outcome, generate
 from pdctl.topology import load_file
 
-RSS_LIMIT_PCT = 10.0
+RSS_LIMIT_PCT = 3.0
+LENGTHS = (3, 15, 16, 17, 40, 64, 100, 150, 250, 400)  # around page and segment edges
 
 
-def prompts_for(count: int, seed: int, vocab: int = 500) -> list[list[int]]:
+def prompts_for(count: int, seed: int, vocab: int, max_len: int) -> list[list[int]]:
+    """`count` random prompts of ids in [3, vocab), none longer than `max_len`."""
     rng = random.Random(seed)
-    lengths = [rng.choice((3, 15, 16, 17, 40, 64, 100, 150, 250, 400)) for _ in range(count)]
-    return [[rng.randint(3, vocab - 1) for _ in range(n)] for n in lengths]
+    lengths = [min(rng.choice(LENGTHS), max_len) for _ in range(count)]
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def rss_kib(pgid: int) -> int:
-    total = 0
-    for pid in group_members(pgid):
-        try:
-            with open(f"/proc/{pid}/status") as handle:
-                for line in handle:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-        except OSError:
+def served_shape(run: Run) -> tuple[int, int]:
+    """(vocabulary, context) the run's servers report: the smallest of each."""
+    vocab, context = [], []
+    for state in run.states:
+        if state.plan.role not in ("prefill", "decode"):
             continue
-    return total
+        try:
+            info = httpx.get(f"{state.url}/get_model_info", timeout=10).json()
+        except (httpx.HTTPError, ValueError):
+            continue
+        if isinstance(info.get("vocab_size"), int):
+            vocab.append(info["vocab_size"])
+        if isinstance(info.get("max_context"), int):
+            context.append(info["max_context"])
+    return min(vocab, default=500), min(context, default=512)
 
 
-def _generate(client: httpx.Client, url: str, prompt: list[int], new_tokens: int) -> Any:
-    body = {
-        "input_ids": prompt,
-        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
-    }
-    try:
-        response = client.post(f"{url}/generate", json=body, timeout=300)
-    except httpx.HTTPError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    if response.status_code != 200:
-        return f"{response.status_code}: {response.text[:300]}"
-    return response.json()["output_ids"]
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
+
+
+def _groups(run: Run) -> dict[str, int]:
+    return {s.plan.name: s.spawned.pid for s in run.states if s.spawned is not None}
 
 
 def soak_one(
     run: Run,
-    prompts: list[list[int]],
+    *,
     requests: int,
     concurrency: int,
+    unique: int,
     new_tokens: int,
+    warmup: int,
+    timeout: float,
     seed: int,
+    rss_limit_pct: float,
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
     url = run.router_url
-    servers = [s for s in run.states if s.plan.role in ("prefill", "decode") and s.spawned]
+    vocab, context = served_shape(run)
+    prompts = prompts_for(unique, seed, vocab, max(1, context - new_tokens))
     with httpx.Client() as client:
-        reference = [_generate(client, url, p, new_tokens) for p in prompts]
-    failed_reference = [r for r in reference if isinstance(r, str)]
-    rss_start = {s.plan.name: rss_kib(s.spawned.pid) for s in servers if s.spawned}
+        reference = [generate(client, url, p, new_tokens, timeout) for p in prompts]
     _, _, rings_start = run.pools_back()
     order = random.Random(seed).choices(range(len(prompts)), k=requests)
-    progress(f"  {requests} requests, {concurrency} in flight")
+    samples: dict[str, list[rss.ProcessRss]] = {}
+
+    def on_done(done: int) -> None:
+        if done == warmup:
+            samples["warm"] = rss.sample(_groups(run))
+            progress(f"  {done}/{requests} done: RSS sampled (warm-up)")
+        elif done % max(1, requests // 10) == 0 and done < requests:
+            progress(f"  {done}/{requests} done")
+        if done == requests:
+            samples["end"] = rss.sample(_groups(run))
+
+    progress(f"  {requests} requests, {concurrency} in flight, {unique} distinct prompts")
+    load = Load(url, prompts, order, concurrency=concurrency, new_tokens=new_tokens,
+                timeout=timeout, on_done=on_done)  # fmt: skip
     started = time.perf_counter()
-    limits = httpx.Limits(max_connections=concurrency * 2)
-    with httpx.Client(limits=limits) as client, ThreadPoolExecutor(concurrency) as pool:
-        outputs = list(pool.map(lambda i: _generate(client, url, prompts[i], new_tokens), order))
+    load.start()
+    try:
+        load.wait(run.check_exits)
+    finally:
+        load.close(grace=timeout)
     wall = time.perf_counter() - started
-    failures = [o for o in outputs if isinstance(o, str)]
-    mismatches = sum(
-        1
-        for i, o in zip(order, outputs, strict=True)
-        if not isinstance(o, str) and o != reference[i]
-    )
+    if load.callback_error is not None:
+        raise load.callback_error
+    row: dict[str, Any] = {"requests": requests, "concurrency": concurrency, "vocab": vocab}
+    row.update(_answers(reference, load.outcomes, requests))
+    row.update(_rates(load.outcomes, wall, new_tokens))
     pools_ok, held, rings_end = run.pools_back()
-    rss_end = {s.plan.name: rss_kib(s.spawned.pid) for s in servers if s.spawned}
-    growth = {
-        name: round(100.0 * (rss_end[name] - rss_start[name]) / max(rss_start[name], 1), 2)
-        for name in rss_start
-    }
-    wraps = {
-        name: ring["watermark"][0] - rings_start.get(name, {"watermark": [0]})["watermark"][0]
-        for name, ring in rings_end.items()
-    }
-    row = {
-        "requests": requests,
-        "concurrency": concurrency,
-        "failed": len(failures) + len(failed_reference),
-        "first_failure": next(iter(failures or failed_reference), None),
-        "mismatches": mismatches,
-        "wall_s": round(wall, 2),
-        "requests_per_s": round(requests / wall, 2),
-        "tokens_per_s": round(requests * new_tokens / wall, 1),
-        "pools_back": pools_ok,
-        "held": held,
-        "ring_wraps": wraps,
-        "rss_start_mib": {k: round(v / 1024, 1) for k, v in rss_start.items()},
-        "rss_growth_pct": growth,
-    }
+    row.update(pools_back=pools_ok, held=held, ring_wraps=_wraps(rings_start, rings_end))
+    row.update(_memory(samples, warmup, requests, rss_limit_pct))
     row["passed"] = (
-        row["failed"] == 0
-        and mismatches == 0
-        and pools_ok
-        and all(g < RSS_LIMIT_PCT for g in growth.values())
+        row["failed"] == 0 and row["mismatches"] == 0 and pools_ok and not row["rss_problems"]
     )
     return row
+
+
+def _answers(
+    reference: list[tuple[list[int] | None, str | None]], outcomes: list[Outcome], requests: int
+) -> dict[str, Any]:
+    """Failures (reference, load, never sent) and answers that differ from the reference
+    (only where the reference itself came back: a failed one is counted as failed)."""
+    failures = [e for _, e in reference if e is not None]
+    failures += [o.error for o in outcomes if o.error is not None]
+    expected = [out for out, _ in reference]
+    mismatched = [
+        o for o in outcomes
+        if o.output is not None and expected[o.prompt] not in (None, o.output)
+    ]  # fmt: skip
+    first = mismatched[0] if mismatched else None
+    return {
+        "completed": len(outcomes),
+        "failed": len(failures) + (requests - len(outcomes)),
+        "first_failure": failures[0] if failures else None,
+        "mismatches": len(mismatched),
+        "first_mismatch": None
+        if first is None
+        else {"prompt": first.prompt, "expected": expected[first.prompt], "got": first.output},
+    }
+
+
+def _rates(outcomes: list[Outcome], wall: float, new_tokens: int) -> dict[str, Any]:
+    latencies = [o.latency_s * 1e3 for o in outcomes]
+    return {
+        "wall_s": round(wall, 2),
+        "requests_per_s": round(len(outcomes) / wall, 2),
+        "tokens_per_s": round(len(outcomes) * new_tokens / wall, 1),
+        "latency_ms_p50": round(statistics.median(latencies), 1) if latencies else None,
+        "latency_ms_p99": round(_percentile(latencies, 0.99), 1) if latencies else None,
+    }
+
+
+def _memory(
+    samples: dict[str, list[rss.ProcessRss]], warmup: int, requests: int, limit_pct: float
+) -> dict[str, Any]:
+    rows, problems = rss.growth(samples.get("warm", []), samples.get("end", []), limit_pct)
+    if "warm" not in samples or "end" not in samples:
+        problems.append(f"RSS not sampled at requests {warmup} and {requests}")
+    return {
+        "rss_warmup_request": warmup,
+        "rss": rows,
+        "rss_max_growth_pct": max((float(r["growth_pct"]) for r in rows), default=None),
+        "rss_problems": problems,
+    }
+
+
+def _wraps(start: dict[str, Any], end: dict[str, Any]) -> dict[str, int]:
+    return {
+        name: ring["watermark"][0] - start.get(name, {"watermark": [0]})["watermark"][0]
+        for name, ring in end.items()
+    }
 
 
 def bench_soak(
     topology: Path,
     *,
     backends: tuple[str, ...] = ("tcp", "mooncake", "nixl"),
-    requests: int = 1000,
-    concurrency: int = 32,
+    requests: int = 10000,
+    concurrency: int = 64,
     unique: int = 48,
     new_tokens: int = 8,
     pool_mb: float = 0.5,
+    warmup: int | None = None,
+    timeout: float = 120.0,
+    rss_limit_pct: float = RSS_LIMIT_PCT,
     seed: int = 0,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
+    """The soak of each transport in turn; `warmup` defaults to a fifth of `requests`
+    (the 2,000th of 10,000)."""
     base = load_file(topology).topology
-    prompts = prompts_for(unique, seed)
+    warm = min(requests, warmup if warmup is not None else max(1, requests // 5))
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="pdctl-soak-") as scratch:
@@ -154,18 +218,22 @@ def bench_soak(
                 continue
             progress(f"{backend}: starting {base.name} (staging ring {pool_mb:g} MiB per rank)")
             with make_run(plan).serving() as run:
-                row = {"transport": backend}
+                row: dict[str, Any] = {"transport": backend}
                 row.update(
-                    soak_one(run, prompts, requests, concurrency, new_tokens, seed, progress)
-                )
+                    soak_one(run, requests=requests, concurrency=concurrency, unique=unique,
+                             new_tokens=new_tokens, warmup=warm, timeout=timeout, seed=seed,
+                             rss_limit_pct=rss_limit_pct, progress=progress)
+                )  # fmt: skip
                 rows.append(row)
-                progress(f"{backend}: {'PASS' if row['passed'] else 'FAIL'}")
+            progress(f"{backend}: {'PASS' if row['passed'] else 'FAIL'}")
     return {
         "topology": base.name,
+        "file": str(topology),
         "unique_prompts": unique,
         "new_tokens": new_tokens,
         "pool_mb": pool_mb,
-        "rss_limit_pct": RSS_LIMIT_PCT,
+        "timeout_s": timeout,
+        "rss_limit_pct": rss_limit_pct,
         "rows": rows,
         "skipped": skipped,
         "passed": bool(rows) and all(r["passed"] for r in rows),

@@ -91,31 +91,3 @@ def test_bench_pd_rejects_an_unknown_backend(cli) -> None:
     result = cli.invoke(app, ["bench", "pd", "--backends", "tcp,carrier-pigeon"])
     assert result.exit_code == 2
     assert "unknown transport(s) carrier-pigeon" in result.stderr
-
-
-def test_bench_soak_on_every_transport(cli) -> None:
-    """A short soak (the full one is `pdctl bench soak`): the ring wraps, nothing is lost."""
-    result = cli.invoke(
-        app, ["bench", "soak", "--requests", "24", "--concurrency", "8", "--pool-mb", "0.25",
-              "--unique", "12", "--json", "-q"],
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
-    assert report["passed"] and report["skipped"] == {}
-    assert [row["transport"] for row in report["rows"]] == ["tcp", "mooncake", "nixl"]
-    for row in report["rows"]:
-        assert row["failed"] == 0 and row["mismatches"] == 0 and row["pools_back"], row
-        assert max(row["ring_wraps"].values()) >= 3, row  # the small ring wrapped
-        assert set(row["rss_growth_pct"]) == {"prefill-0", "decode-0"}
-
-
-def test_bench_soak_fails_when_requests_fail(cli, make_topology) -> None:
-    path = make_topology(faults=[{"name": "corrupt-kv", "every": 3}])
-    result = cli.invoke(
-        app, ["bench", "soak", str(path), "--requests", "12", "--concurrency", "4",
-              "--unique", "6", "--backends", "tcp", "--json"],
-    )  # fmt: skip
-    assert result.exit_code == 1, result.output
-    row = json.loads(result.stdout)["rows"][0]
-    assert row["failed"] > 0 and "KV corruption" in row["first_failure"] and not row["passed"]
-    assert row["pools_back"], row  # failed requests gave everything back too

@@ -1,0 +1,138 @@
+"""`pdctl bench soak`: parse, run the soak of each transport (launch/soak.py), render."""
+
+from __future__ import annotations
+
+import json as jsonlib
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from pdctl import console
+from pdctl.cli.bench import chosen_backends
+from pdctl.cli.common import QuietOption, VerboseOption, options
+from pdctl.errors import CheckFailed, UsageError
+
+DEFAULT_TOPOLOGY = Path("topologies/cpu-p1d2-tcp.yaml")
+
+
+def soak(
+    ctx: typer.Context,
+    topology: Annotated[
+        Path, typer.Argument(help="A CPU topology file (default: the default topology).")
+    ] = DEFAULT_TOPOLOGY,
+    requests: Annotated[int, typer.Option(min=1, help="Requests per transport.")] = 10000,
+    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight.")] = 64,
+    backends: Annotated[
+        str, typer.Option(help="Transports, comma-separated.")
+    ] = "tcp,mooncake,nixl",
+    pool_mb: Annotated[
+        float, typer.Option(min=0.01, help="Staging ring per decode rank (small: it wraps).")
+    ] = 0.5,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per request.")] = 8,
+    unique: Annotated[
+        int, typer.Option(min=1, help="Distinct prompts (each run serially first: the reference).")
+    ] = 48,
+    warmup: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="RSS is sampled after this many requests and at the end "
+            "(default: a fifth of --requests).",
+        ),
+    ] = None,
+    rss_limit_pct: Annotated[
+        float,
+        typer.Option(min=0, help="Fail when any process's RSS grows this much after warm-up."),
+    ] = 3.0,
+    timeout: Annotated[float, typer.Option(min=1, help="Per-request timeout (s).")] = 120.0,
+    json_file: Annotated[
+        Path | None, typer.Option("--json", help="Write the JSON report here ('-': stdout).")
+    ] = None,
+    verbose: VerboseOption = 0,
+    quiet: QuietOption = False,
+) -> None:
+    """Many requests per transport: 0 failed, token-exact, pools back, RSS growth < 3 %."""
+    opts = options(ctx, False, verbose, quiet)
+    from pdctl.launch.soak import bench_soak
+
+    stdout_json = opts.json or str(json_file) == "-"
+    chosen = chosen_backends(backends)
+    if warmup is not None and warmup > requests:
+        raise UsageError(f"--warmup {warmup} is more than --requests {requests}")
+    report = bench_soak(
+        topology, backends=chosen, requests=requests, concurrency=concurrency,
+        pool_mb=pool_mb, new_tokens=new_tokens, unique=unique, warmup=warmup,
+        timeout=timeout, rss_limit_pct=rss_limit_pct,
+        progress=console.info if not opts.quiet else (lambda _: None),
+    )  # fmt: skip
+    if stdout_json:
+        console.emit_json(report)
+    else:
+        if json_file is not None:
+            json_file.write_text(jsonlib.dumps(report, indent=2) + "\n")
+        render(report)
+    if not report["passed"]:
+        raise CheckFailed("the soak failed: " + "; ".join(reasons(report)),
+                          hint="the JSON report (--json FILE) has every figure")  # fmt: skip
+
+
+def reasons(report: dict[str, Any]) -> list[str]:
+    """What failed, one phrase per transport."""
+    found = []
+    for row in report["rows"]:
+        what = []
+        if row["failed"]:
+            what.append(f"{row['failed']} failed (first: {row['first_failure']})")
+        if row["mismatches"]:
+            what.append(f"{row['mismatches']} answers differ from their reference")
+        if not row["pools_back"]:
+            what.append("not back: " + ", ".join(row["held"]))
+        what += row["rss_problems"]
+        if what:
+            found.append(f"{row['transport']}: " + ", ".join(what))
+    return found or ["no transport could run here (see the warnings)"]
+
+
+def render(report: dict[str, Any]) -> None:
+    title = f"soak: {report['topology']}, ring {report['pool_mb']:g} MiB/rank"
+    table = Table(title=title)
+    columns = ("transport", "requests", "failed", "mismatches", "req/s", "p50 ms", "p99 ms",
+               "pools back", "ring wraps", "max RSS growth %", "verdict")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column == "transport" else "right")
+    for row in report["rows"]:
+        growth = row["rss_max_growth_pct"]
+        table.add_row(
+            row["transport"], str(row["requests"]), str(row["failed"]),
+            str(row["mismatches"]), f"{row['requests_per_s']:.1f}",
+            str(row["latency_ms_p50"]), str(row["latency_ms_p99"]),
+            "yes" if row["pools_back"] else "NO",
+            str(max(row["ring_wraps"].values(), default=0)),
+            "-" if growth is None else f"{growth:.2f}",
+            "PASS" if row["passed"] else "FAIL",
+        )  # fmt: skip
+    console.out.print(table)
+    memory = Table(title=f"RSS per process (request {_warm(report)} -> end)")
+    for column in ("transport", "server", "process", "pid", "MiB warm", "MiB end", "growth %"):
+        memory.add_column(
+            column, justify="left" if column in ("transport", "server", "process") else "right"
+        )
+    for row in report["rows"]:
+        for p in row["rss"]:
+            memory.add_row(row["transport"], p["server"], _short(p["title"]), str(p["pid"]),
+                           f"{p['rss_warm_mib']:.1f}", f"{p['rss_end_mib']:.1f}",
+                           f"{p['growth_pct']:.2f}")  # fmt: skip
+    console.out.print(memory)
+    for backend, reason in report["skipped"].items():
+        console.warning(f"{backend} not run: {reason}")
+
+
+def _warm(report: dict[str, Any]) -> str:
+    return str(report["rows"][0]["rss_warmup_request"]) if report["rows"] else "-"
+
+
+def _short(title: str) -> str:
+    """pdctl:<topology>:<role>:tp<rank> as <role>:tp<rank>; a helper's name as it is."""
+    return ":".join(title.split(":")[-2:]) if title.startswith("pdctl:") else title

@@ -1,0 +1,79 @@
+"""`pdctl bench soak` on real CPU topologies: small numbers here, the full soak is
+10,000 requests at concurrency 64 (docs/benchmarks.md). Each test proves one way the
+soak passes or fails: nothing lost, a corrupted transfer, an answer that differs."""
+
+from __future__ import annotations
+
+import json
+
+from pdctl.cli.app import app
+
+
+def soak(cli, *args: str):
+    return cli.invoke(app, ["bench", "soak", *args, "--json", "-", "-q"])
+
+
+def test_soak_of_the_default_topology(cli) -> None:
+    """200 requests, 16 in flight: 0 failed, token-exact, pools back, every process's RSS
+    sampled at the warm-up request and at the end. The RSS limit is loose here: 40
+    requests are no warm-up (the real soak's limit is 3 % from request 2,000)."""
+    result = soak(cli, "--requests", "200", "--concurrency", "16", "--backends", "tcp",
+                  "--pool-mb", "0.25", "--rss-limit-pct", "15")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["topology"] == "cpu-p1d2-tcp"
+    (row,) = report["rows"]
+    assert row["completed"] == 200 and row["failed"] == 0 and row["mismatches"] == 0, row
+    assert row["pools_back"] and row["held"] == [], row
+    assert max(row["ring_wraps"].values()) >= 3, row  # the small ring wrapped
+    assert row["vocab"] == 512  # the tiny preset's, as the servers report it
+    assert 0 < row["latency_ms_p50"] <= row["latency_ms_p99"]
+    assert row["rss_warmup_request"] == 40 and row["rss_problems"] == []
+    titles = sorted(p["title"].split(":", 2)[-1] for p in row["rss"])
+    assert titles == ["decode:tp0", "decode:tp1", "prefill:tp0", "router:tp0"], row["rss"]
+    for process in row["rss"]:
+        assert process["rss_warm_mib"] > 10 and process["rss_end_mib"] > 10, process
+        assert process["growth_pct"] < 15
+
+
+def test_soak_of_mooncake_and_nixl(cli) -> None:
+    result = soak(cli, "--requests", "48", "--concurrency", "16", "--unique", "12", "--backends",
+                  "mooncake,nixl", "--pool-mb", "0.25", "--rss-limit-pct", "50")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["skipped"] == {}
+    assert [row["transport"] for row in report["rows"]] == ["mooncake", "nixl"]
+    for row in report["rows"]:
+        assert row["failed"] == 0 and row["mismatches"] == 0 and row["pools_back"], row
+        assert len(row["rss"]) == 4 and row["rss_problems"] == [], row
+
+
+def test_soak_fails_on_a_corrupted_transfer(cli, make_topology) -> None:
+    path = make_topology(faults=[{"name": "corrupt-kv", "every": 3}])
+    result = soak(cli, str(path), "--requests", "24", "--concurrency", "4", "--unique", "6",
+                  "--backends", "tcp")  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert "the soak failed: tcp:" in result.stderr and "failed (first:" in result.stderr
+    row = json.loads(result.stdout)["rows"][0]
+    assert row["failed"] > 0 and "KV corruption" in row["first_failure"] and not row["passed"]
+    assert row["pools_back"], row  # failed requests gave everything back too
+
+
+def test_soak_fails_when_an_answer_differs(cli, make_topology) -> None:
+    """Requests that succeed with other tokens (a prefix hit picks the second-best first
+    token) are mismatches: the comparison with the reference is not a formality."""
+    path = make_topology(faults=["perturb-prefix-hit"])
+    result = soak(cli, str(path), "--requests", "24", "--concurrency", "4", "--unique", "6",
+                  "--backends", "tcp")  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert "answers differ from their reference" in result.stderr
+    row = json.loads(result.stdout)["rows"][0]
+    assert row["failed"] == 0 and row["mismatches"] > 0 and not row["passed"], row
+    mismatch = row["first_mismatch"]
+    assert mismatch["got"] != mismatch["expected"] and len(mismatch["got"]) == 8
+
+
+def test_soak_rejects_a_warmup_past_the_requests(cli) -> None:
+    result = soak(cli, "--requests", "10", "--warmup", "20", "--backends", "tcp")
+    assert result.exit_code == 2
+    assert "--warmup 20 is more than --requests 10" in result.stderr
