@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import REPO
 
 PACKAGE = REPO / "pdctl"
-SHARED = {"core", "errors", "console"}  # vocabulary modules any package may use
+SHARED = {"core", "errors", "console", "records"}  # vocabulary any package may use
 # package -> the pdctl packages it may import (besides itself and SHARED).
 ALLOWED: dict[str, set[str]] = {
     "cli": {"launch", "verify", "topology", "engines", "staging"},  # staging: bench, doctor
@@ -26,8 +26,15 @@ ALLOWED: dict[str, set[str]] = {
     "core": set(),
     "errors": set(),
     "console": set(),
+    "records": set(),
 }
-STRICT = {"staging": set(), "core": set(), "serve": {"staging", "core"}}  # no SHARED extras
+# no SHARED extras; records: the JSON between processes, which servers write
+STRICT = {
+    "staging": set(),
+    "core": set(),
+    "records": set(),
+    "serve": {"staging", "core", "records"},
+}
 
 
 def top_package(path: Path) -> str:
@@ -306,3 +313,39 @@ def test_no_import_circles() -> None:
 def test_the_cycle_rule_sees_a_circle() -> None:
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _only_reexports(path: Path) -> bool:
+    """An `__init__.py` without functions or classes: nothing of its own to describe."""
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    return path.name == "__init__.py" and not any(
+        isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) for n in body
+    )
+
+
+def structure_sections() -> dict[str, str]:
+    """docs/structure.md's package sections: `### `pdctl/serve/api/`` -> its text."""
+    text = (REPO / "docs" / "structure.md").read_text(encoding="utf-8")
+    parts = re.split(r"^### `pdctl/([\w/]*)`\s*$", text, flags=re.MULTILINE)
+    return {parts[i].rstrip("/"): parts[i + 1].split("\n## ")[0] for i in range(1, len(parts), 2)}
+
+
+def test_structure_names_every_module() -> None:
+    """Every module has its line in docs/structure.md, in its package's section."""
+    sections = structure_sections()
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if _only_reexports(path):
+            continue
+        rel = path.relative_to(PACKAGE)
+        package = rel.parent.as_posix() if rel.parent != Path(".") else ""
+        section = sections.get(package, "")
+        if f"`{rel.name}`" not in section and f"`{rel.as_posix()}`" not in section:
+            missing.append(rel.as_posix())
+    assert missing == [], "docs/structure.md does not name these modules in their section"
+
+
+def test_structure_carries_no_changelog() -> None:
+    text = (REPO / "docs" / "structure.md").read_text(encoding="utf-8")
+    history = re.compile(r"\bsession \d+|\(planned\)|\bno longer\b|\bused to\b|\bis now\b", re.I)
+    assert history.findall(text) == []

@@ -191,22 +191,23 @@ def kv_summary(report: Report) -> str | None:
     )
     if not transfers:
         return None
-    total = sum(int(t.get("bytes", 0)) for t in transfers)
-    transports = ", ".join(sorted({str(t.get("transport")) for t in transfers}))
-    paths = sorted({"staging" if t.get("staging") else "direct" for t in transfers})
+    total = sum(t.bytes or 0 for t in transfers)
+    transports = ", ".join(sorted({str(t.transport) for t in transfers}))
+    paths = sorted({"staging" if t.staging else "direct" for t in transfers})
     line = (
         f"KV: {len(transfers)} transfers over {transports} ({', '.join(paths)}, up to "
-        f"{max(int(t.get('segments', 0)) for t in transfers)} segments), "
+        f"{max(t.segments or 0 for t in transfers)} segments), "
         f"{total / (1 << 20):.2f} MiB in all"
     )
-    timed = [t for t in transfers if isinstance(t.get("write_ms"), (int, float))]
+    timed = [t for t in transfers if t.write_ms is not None]
     if timed:
-        writes = sorted(float(t["write_ms"]) for t in timed)
-        largest = max(timed, key=lambda t: int(t.get("bytes", 0)))
-        gbps = int(largest["bytes"]) / 1e6 / max(float(largest["write_ms"]), 1e-3)  # MB/ms
+        writes = sorted(float(t.write_ms or 0) for t in timed)
+        largest = max(timed, key=lambda t: t.bytes or 0)
+        largest_ms = float(largest.write_ms or 0)
+        gbps = (largest.bytes or 0) / 1e6 / max(largest_ms, 1e-3)  # MB/ms
         line += (
             f"; prefill write p50 {writes[len(writes) // 2]:.1f} ms, the largest "
-            f"({int(largest['bytes']) / (1 << 20):.2f} MiB) {float(largest['write_ms']):.1f} ms "
+            f"({(largest.bytes or 0) / (1 << 20):.2f} MiB) {largest_ms:.1f} ms "
             f"= {gbps:.3f} GB/s"
         )
     return line

@@ -30,6 +30,7 @@ import yaml
 
 from pdctl.launch.launcher import make_run
 from pdctl.launch.plan import load_checked, make_plan
+from pdctl.records import KVSent, KVTransfer, ServerInfo
 from pdctl.topology import TopologyError, load_file
 
 BACKENDS = ("tcp", "mooncake", "nixl")
@@ -98,11 +99,11 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _kv_sent(prefill_url: str | None) -> dict[str, Any]:
+def _kv_sent(prefill_url: str | None) -> KVSent:
     if prefill_url is None:
-        return {}
-    info: dict[str, Any] = httpx.get(f"{prefill_url}/get_server_info", timeout=30).json()
-    return dict(info.get("kv_sent", {}))
+        return KVSent()
+    response = httpx.get(f"{prefill_url}/get_server_info", timeout=30)
+    return ServerInfo.from_json(response.json()).kv_sent or KVSent()
 
 
 def measure(
@@ -117,7 +118,7 @@ def measure(
     serial = [_stream_one(url, prompt, new_tokens) for prompt in prompts]
     after = _kv_sent(prefill_url)
     ttft = [r["ttft_ms"] for r in serial]
-    transfers = [r["kv_transfer"] for r in serial if r["kv_transfer"]]
+    transfers = [KVTransfer.from_json(r["kv_transfer"]) for r in serial if r["kv_transfer"]]
     row: dict[str, Any] = {
         "ttft_ms_p50": round(statistics.median(ttft), 2),
         "ttft_ms_p95": round(_percentile(ttft, 0.95), 2),
@@ -127,23 +128,23 @@ def measure(
         "concurrent_tokens_per_s": round(_concurrent(url, prompts, new_tokens, concurrency), 1),
     }
     if transfers:
-        ms = [float(t["transfer_ms"]) for t in transfers]
+        ms = [float(t.transfer_ms or 0) for t in transfers]
         row.update(
-            kv_bytes_per_request=int(statistics.median(int(t["bytes"]) for t in transfers)),
-            kv_segments=max(int(t["segments"]) for t in transfers),
-            staging=bool(transfers[0]["staging"]),
+            kv_bytes_per_request=int(statistics.median(t.bytes or 0 for t in transfers)),
+            kv_segments=max(t.segments or 0 for t in transfers),
+            staging=bool(transfers[0].staging),
             transfer_ms_p50=round(statistics.median(ms), 2),
             transfer_ms_p95=round(_percentile(ms, 0.95), 2),
-            digests_ok=all(t["digest_ok"] for t in transfers),
+            digests_ok=all(t.digest_ok for t in transfers),
         )
-    rooms = after.get("rooms", 0) - before.get("rooms", 0)
+    rooms = after.rooms - before.rooms
     if rooms > 0:  # prefill's side: time spent gathering and writing, per request
-        write_ms = after["write_ms"] - before["write_ms"]
+        write_ms = after.write_ms - before.write_ms
         row["write_ms_mean"] = round(write_ms / rooms, 2)
-        row["write_gbps"] = round((after["bytes"] - before["bytes"]) / (write_ms * 1e6), 3)
-        for part in ("gather_ms", "digest_ms"):  # the parts of write_ms that are not writes
-            if part in after and part in before:
-                row[f"{part}_mean"] = round((after[part] - before[part]) / rooms, 3)
+        row["write_gbps"] = round((after.bytes - before.bytes) / (write_ms * 1e6), 3)
+        # the parts of write_ms that are not writes
+        row["gather_ms_mean"] = round((after.gather_ms - before.gather_ms) / rooms, 3)
+        row["digest_ms_mean"] = round((after.digest_ms - before.digest_ms) / rooms, 3)
     return row
 
 

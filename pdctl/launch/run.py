@@ -33,6 +33,7 @@ from pdctl.launch.processes import spawn, start_time, stop_groups
 from pdctl.launch.readiness import wait_ready
 from pdctl.launch.reference import StartingReference, spawn_reference, start_reference
 from pdctl.launch.stages import STAGES, LaunchFailed, ProcessState
+from pdctl.records import ServerInfo
 from pdctl.topology.resolve import RUN_ID_VAR, RUN_SECRET_VAR
 
 __all__ = ["STAGES", "LaunchFailed", "ProcessState", "Run", "run_name"]
@@ -219,25 +220,14 @@ class Run:
             rings: dict[str, Any] = {}
             for state in servers:
                 try:
-                    info = httpx.get(f"{state.url}/get_server_info", timeout=10).json()
+                    response = httpx.get(f"{state.url}/get_server_info", timeout=10)
+                    info = ServerInfo.from_json(response.json())
                 except (httpx.HTTPError, ValueError) as exc:
                     problems.append(f"{state.plan.name}: /get_server_info: {exc}")
                     continue
-                kv = info["kv"]
-                held = kv["total_pages"] - kv["free_pages"] - kv["cached_pages"]
-                if held:
-                    problems.append(f"{state.plan.name}: {held} KV pages held")
-                if info.get("running_requests") or info.get("waiting_requests"):
-                    problems.append(f"{state.plan.name}: requests still running")
-                ring = info.get("staging_ring")
-                if ring is not None:
-                    rings[state.plan.name] = ring
-                    if not ring["empty"]:
-                        problems.append(
-                            f"{state.plan.name}: {ring['live_regions']} ring regions live"
-                        )
-                if info.get("open_rooms"):
-                    problems.append(f"{state.plan.name}: {info['open_rooms']} rooms open")
+                problems += [f"{state.plan.name}: {leak}" for leak in info.leaks()]
+                if info.staging_ring is not None:
+                    rings[state.plan.name] = info.staging_ring.to_json()
             if not problems or time.monotonic() > deadline:
                 return not problems, problems, rings
             time.sleep(0.2)

@@ -32,6 +32,7 @@ from pdctl.serve.pd.protocol import (
     json_int,
     segment_from_json,
 )
+from pdctl.serve.pd.reports import RankReport
 from pdctl.serve.pd.room_state import condition_holds
 
 TOMBSTONE_S = 300.0
@@ -312,7 +313,7 @@ def add_room_routes(app: FastAPI, rooms: Rooms) -> None:
     async def sent(request: HttpRequest) -> dict[str, Any]:
         try:
             body = await json_object(request)
-            room, rank = json_int(body, "room"), json_int(body, "rank")
+            room, rank = json_int(body, "room"), RankReport.from_json(body).rank
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
             raise BootstrapError(f"malformed send report: {exc}", 400) from None
         rooms.report_sent(room, rank, body)

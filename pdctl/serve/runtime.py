@@ -41,6 +41,7 @@ from pdctl.serve.model.weights import (
 )
 from pdctl.serve.ranks import first_of_many, spawn_ranks
 from pdctl.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from pdctl.serve.tp_ops import Op
 from pdctl.staging import device as dev
 
 log = logging.getLogger("pdctl.serve")
@@ -234,7 +235,7 @@ def rank_forward(rank: Rank):  # type: ignore[no-untyped-def]
         return rank.graphs.forward
 
     def forward(pieces):  # type: ignore[no-untyped-def]
-        group.send(tensor_parallel.OP_FORWARD, tensor_parallel.encode_pieces(pieces))
+        group.send(Op.FORWARD, tensor_parallel.encode_pieces(pieces))
         return rank.runner.forward(pieces)
 
     return forward
@@ -256,7 +257,7 @@ def _no_forward(pieces: object) -> None:
 def stop_ranks(rank: Rank) -> None:
     if rank.group is not None:
         with contextlib.suppress(RuntimeError):
-            rank.group.send(tensor_parallel.OP_STOP)
+            rank.group.send(Op.STOP)
     for child in rank.children:
         try:
             child.wait(timeout=10)

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from pdctl.serve.model.batch import Piece
+from pdctl.serve.tp_ops import Op
 
 log = logging.getLogger("pdctl.serve")
-OP_FORWARD, OP_STOP = 1, 2
 Handler = Callable[[torch.Tensor], None]
 
 
@@ -175,9 +175,9 @@ def worker_loop(group: TPGroup, forward: Callable[[Sequence[Piece]], object]) ->
     """Ranks > 0: run whatever rank 0 announces until it says stop."""
     while True:
         op, payload = group.receive()
-        if op == OP_STOP:
+        if op == Op.STOP:
             return
-        if op == OP_FORWARD:
+        if op == Op.FORWARD:
             forward(decode_pieces(payload))
         elif op in group.handlers:
             group.handlers[op](payload)

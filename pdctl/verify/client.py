@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from pdctl.records import KVTransfer, ServerInfo
 from pdctl.verify.workload import Prompt
 
 TOP = 5
@@ -22,7 +23,7 @@ class Result:
     top: list[list[tuple[int, float]]] = field(default_factory=list)  # per position, best first
     logits: list[float | None] = field(default_factory=list)  # per position, the chosen token's
     cached_tokens: int = 0
-    kv_transfer: dict[str, Any] | None = None
+    kv_transfer: KVTransfer | None = None
     embedding_transfer: dict[str, Any] | None = None  # EPD: what the encoder wrote to prefill
     latency_ms: float = 0.0
     error: str | None = None
@@ -36,7 +37,7 @@ class Result:
             "status": self.status,
             "output_ids": self.output_ids,
             "cached_tokens": self.cached_tokens,
-            "kv_transfer": self.kv_transfer,
+            "kv_transfer": None if self.kv_transfer is None else self.kv_transfer.to_json(),
             "embedding_transfer": self.embedding_transfer,
             "latency_ms": round(self.latency_ms, 2),
             "error": self.error,
@@ -106,13 +107,19 @@ def _answer(prompt: Prompt, response: httpx.Response, latency: float, wanted: in
                       error=f"the answer is not JSON: {response.text[:200]!r}")  # fmt: skip
     meta = body.get("meta_info", {}) if isinstance(body, dict) else {}
     output_ids = list(body.get("output_ids") or []) if isinstance(body, dict) else []
+    try:
+        transfer = None
+        if meta.get("kv_transfer") is not None:
+            transfer = KVTransfer.from_json(meta["kv_transfer"], "meta_info.kv_transfer")
+    except ValueError as exc:
+        return Result(prompt, False, latency_ms=latency, status=200, error=f"the answer's {exc}")
     if not output_ids and wanted > 0:
         return Result(
             prompt,
             False,
             latency_ms=latency,
             status=200,
-            kv_transfer=meta.get("kv_transfer"),
+            kv_transfer=transfer,
             error=f"the answer carried no output tokens ({wanted} asked for; finish reason "
             f"{meta.get('finish_reason')})",
         )
@@ -127,7 +134,7 @@ def _answer(prompt: Prompt, response: httpx.Response, latency: float, wanted: in
         top=[[(int(e[1]), float(e[0])) for e in position or []] for position in tops],
         logits=[None if v is None else float(v) for v in logits],
         cached_tokens=int(meta.get("cached_tokens", 0) or 0),
-        kv_transfer=meta.get("kv_transfer"),
+        kv_transfer=transfer,
         embedding_transfer=meta.get("embedding_transfer"),
         latency_ms=latency,
         status=200,
@@ -163,11 +170,14 @@ def served_model(client: httpx.Client, urls: list[str]) -> ServedModel:
             value = model.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 found.append(value)
-        info = _get(client, f"{url}/get_server_info")
-        if isinstance(info.get("dtype"), str) and info["dtype"] != "auto":
-            dtypes.add(info["dtype"])
-        if isinstance(info.get("deterministic"), bool):
-            modes.add(info["deterministic"])
+        try:
+            info = ServerInfo.from_json(_get(client, f"{url}/get_server_info"))
+        except ValueError:  # another engine's server: nothing learnt from it
+            info = ServerInfo()
+        if info.dtype is not None and info.dtype != "auto":
+            dtypes.add(info.dtype)
+        if info.deterministic is not None:
+            modes.add(info.deterministic)
     return ServedModel(
         min(sizes["vocab_size"], default=None),
         min(sizes["max_context"], default=None),

@@ -216,12 +216,12 @@ def blocks(finding: Finding, deterministic: bool) -> bool:
 
 def digest_problems(pass_name: str, result: Result) -> Finding | None:
     transfer = result.kv_transfer
-    if result.ok and transfer is not None and transfer.get("digest_ok") is False:
+    if result.ok and transfer is not None and transfer.digest_ok is False:
         return Finding(
             pass_name,
             result.prompt.id,
             "kv-corruption",
             "a KV digest differs between prefill and decode",
-            evidence={"kv_transfer": transfer},
+            evidence={"kv_transfer": transfer.to_json()},
         )
     return None

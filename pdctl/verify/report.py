@@ -150,7 +150,7 @@ class Report:
             1
             for run in self.passes
             for r in run.results
-            if isinstance(r.kv_transfer, dict) and isinstance(r.kv_transfer.get("digest_ok"), bool)
+            if r.kv_transfer is not None and r.kv_transfer.digest_ok is not None
         )
 
     def write_junit(self, path: Path) -> None:

@@ -24,6 +24,7 @@ from pdctl.launch import state
 from pdctl.launch.launcher import make_run
 from pdctl.launch.plan import LaunchPlan, load_checked, make_plan
 from pdctl.launch.run import Run
+from pdctl.records import ServerInfo
 from pdctl.topology.issues import TopologyError
 
 
@@ -210,10 +211,9 @@ def url_target(url: str, plan: LaunchPlan | None) -> Target:
     prefill: list[str] = []
     decode: list[str] = []
     try:
-        info = httpx.get(f"{url}/get_server_info", timeout=10).json()
-        prefill = [w["url"] for w in info.get("prefill", []) if isinstance(w, dict)]
-        decode = [w["url"] for w in info.get("decode", []) if isinstance(w, dict)]
-    except (httpx.HTTPError, ValueError, AttributeError, KeyError, TypeError):
+        info = ServerInfo.from_json(httpx.get(f"{url}/get_server_info", timeout=10).json())
+        prefill, decode = info.worker_urls("prefill"), info.worker_urls("decode")
+    except (httpx.HTTPError, ValueError):
         pass
     if not prefill and not decode:
         prefill = [url]  # other routers: /flush_cache on the router flushes its workers

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pdctl.records import ServerInfo
 from tests.serve.conftest import Server, free_port, start_server
 
 # Small enough to start fast, big enough that TP4 splits the KV heads.
@@ -53,19 +54,10 @@ class PDCluster:
 
 
 def describe_leak(server: Server, info: dict) -> str:
-    kv = info["kv"]
-    free, cached, total = kv["free_pages"], kv["cached_pages"], kv["total_pages"]
-    problems = []
-    if free + cached != total:
-        problems.append(f"{total - free - cached} KV pages held")
-    if info["running_requests"] or info["waiting_requests"]:
-        problems.append("requests still running")
-    ring = info.get("staging_ring")
-    if ring is not None and not ring["empty"]:
-        problems.append(f"{ring['live_regions']} ring regions live")
-    if info.get("open_rooms"):
-        problems.append(f"rooms open: {info['open_rooms']}")
-    return f"{info['role']} {server.url}: {', '.join(problems)}" if problems else ""
+    """What `server` still holds, in the launcher's words (`ServerInfo.leaks`)."""
+    record = ServerInfo.from_json(info)
+    leaks = record.leaks()
+    return f"{record.role} {server.url}: {', '.join(leaks)}" if leaks else ""
 
 
 def post(url: str, path: str, body: dict, timeout: float = 120) -> dict:

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from pdctl.records import KVPool
 from pdctl.serve.api.errors import BadRequest, error_body
 from pdctl.serve.api.submission import ServerContext, Submission
 from pdctl.serve.engine.loop import Engine
@@ -21,13 +22,12 @@ def engine_state(engine: Engine) -> dict[str, Any]:
     scheduler = engine.scheduler
     pages = scheduler.kv.pages
     return {
-        "kv": {
-            "total_pages": pages.num_pages,
-            "free_pages": pages.num_free,
-            "cached_pages": scheduler.radix.num_cached_pages,
-            "page_size": scheduler.kv.page_size,
-            "pool_tokens": scheduler.kv.pool_tokens,
-        },
+        "kv": KVPool(
+            total_pages=pages.num_pages,
+            free_pages=pages.num_free,
+            cached_pages=scheduler.radix.num_cached_pages,
+            extra={"page_size": scheduler.kv.page_size, "pool_tokens": scheduler.kv.pool_tokens},
+        ).to_json(),
         "running_requests": len(scheduler.running),
         "waiting_requests": len(scheduler.waiting),
         "stats": vars(engine.stats).copy(),

@@ -54,8 +54,8 @@ def meta_info(outcome: Outcome, with_logprobs: bool) -> dict[str, Any]:
         "finish_reason": outcome.finish,
         "e2e_latency": round(time.monotonic() - outcome.started, 6),
     }
-    if outcome.kv_transfer:
-        meta["kv_transfer"] = {k: v for k, v in outcome.kv_transfer.items() if k != "first"}
+    if outcome.kv_transfer is not None:
+        meta["kv_transfer"] = outcome.kv_transfer.to_json()
     if with_logprobs:
         meta["output_token_logprobs"] = [[c.logprob, c.token, None] for c in outcome.choices]
         meta["output_top_logprobs"] = [

@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import Request as HttpRequest
 
+from pdctl.records import KVTransfer
 from pdctl.serve.api.errors import BadRequest
 from pdctl.serve.engine.loop import Engine
 from pdctl.serve.engine.request import Event, Request
@@ -46,7 +47,7 @@ class Outcome:
     finish: dict[str, Any] | None = None
     error: str | None = None
     cached_tokens: int = 0
-    kv_transfer: dict[str, Any] = field(default_factory=dict)
+    kv_transfer: KVTransfer | None = None
     started: float = field(default_factory=time.monotonic)
 
 

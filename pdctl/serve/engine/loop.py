@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pdctl.records import KVTransfer
 from pdctl.serve.engine.request import Event, Phase, Request
 from pdctl.serve.engine.sampling import TokenChoice, choose, generator_for
 from pdctl.serve.engine.scheduler import Scheduler
@@ -165,9 +166,16 @@ class Engine:
         self.stats.prompt_tokens += request.prompt_len
         self.scheduler.add(request)
 
-    def transferred(self, rid: str, error: str | None, info: dict[str, Any]) -> None:
-        """A PD transfer finished (any thread): KV arrived on every decode rank, or left prefill."""
-        self._inbox.put(("transferred", (rid, error, info)))
+    def transferred(
+        self,
+        rid: str,
+        error: str | None,
+        transfer: KVTransfer,
+        first: TokenChoice | None = None,
+    ) -> None:
+        """A PD transfer finished (any thread): KV arrived on every decode rank (with the
+        first token prefill chose), or left prefill."""
+        self._inbox.put(("transferred", (rid, error, transfer, first)))
 
     def _abort(self, rid: str) -> None:
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
@@ -255,11 +263,13 @@ class Engine:
             return {"type": "length", "length": params.max_new_tokens}
         return None
 
-    def _transferred(self, rid: str, error: str | None, info: dict[str, Any]) -> None:
+    def _transferred(
+        self, rid: str, error: str | None, transfer: KVTransfer, first: TokenChoice | None
+    ) -> None:
         request = next((r for r in self.scheduler.running if r.rid == rid), None)
         if request is None or request.phase is Phase.DONE:
             return  # aborted meanwhile
-        request.kv_transfer = info
+        request.kv_transfer = transfer
         if error is not None:
             request.phase = Phase.DONE
             self.scheduler.release(request, cache=False)
@@ -272,9 +282,10 @@ class Engine:
             self._finish(request, {"type": "kv_sent"})
             return
         request.computed = request.prompt_len  # decode: every rank has the prompt's KV
-        request.cached_tokens = int(info.get("cached_tokens", 0))
+        assert first is not None, "decode's transfer carries prefill's first token"
+        request.cached_tokens = transfer.cached_tokens or 0
         request.phase = Phase.DECODE
-        self._emit(request, info["first"])
+        self._emit(request, first)
 
     def _finish(self, request: Request, reason: dict[str, Any], cache: bool = True) -> None:
         request.phase = Phase.DONE

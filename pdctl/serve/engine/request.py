@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pdctl.records import KVTransfer
 from pdctl.serve.engine.radix import Node
 from pdctl.serve.engine.sampling import SamplingParams, TokenChoice
 
@@ -57,7 +58,7 @@ class Request:
     first_token_at: float | None = None
     room: int | None = None  # PD: the bootstrap room
     bootstrap: str | None = None  # PD: "host:port" of the prefill bootstrap endpoint
-    kv_transfer: dict[str, Any] = field(default_factory=dict)
+    kv_transfer: KVTransfer | None = None  # PD: the transfer of the prompt's KV
     # multimodal: (prompt offset, [n, hidden] rows) replacing those positions' embeddings
     embeds: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 

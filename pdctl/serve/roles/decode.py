@@ -10,7 +10,6 @@ chose, and the request joins the decode batch. The response carries
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,6 +17,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
+from pdctl.records import RingState
 from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.api.app import create_app
 from pdctl.serve.api.errors import BadRequest
@@ -37,12 +37,13 @@ from pdctl.serve.pd.client import (
 from pdctl.serve.pd.endpoint import endpoint_name, make_transport
 from pdctl.serve.pd.protocol import json_int
 from pdctl.serve.pd.receiver import KVReceiver
+from pdctl.serve.pd.reports import Pending, RankReport, RankReports, combine
 from pdctl.serve.roles.common import build_engine, serve, server_info
 from pdctl.serve.runtime import Rank
+from pdctl.serve.tp_ops import Op
 from pdctl.staging import device as dev
 
 log = logging.getLogger("pdctl.serve")
-OP_RECEIVE, OP_ABORT = 20, 21
 
 
 def make_receiver(rank: Rank, report: Any) -> KVReceiver:
@@ -74,8 +75,7 @@ class DecodeHooks:
     def __init__(self, rank: Rank) -> None:
         self.rank = rank
         self.engine: Engine | None = None
-        self.pending: dict[int, dict[str, Any]] = {}  # room -> {rid, bootstrap, reports}
-        self.lock = threading.Lock()
+        self.pending: RankReports[tuple[str, str]] = RankReports(rank.args.tp)  # (rid, bootstrap)
         self.finisher = ThreadPoolExecutor(2, thread_name_prefix="pdctl-decode-result")
         self.receiver = make_receiver(rank, self.report)
 
@@ -99,12 +99,7 @@ class DecodeHooks:
             request.room is not None and request.bootstrap is not None and self.engine is not None
         )
         pages = self.engine.scheduler.prompt_pages(request)
-        with self.lock:
-            self.pending[request.room] = {
-                "rid": request.rid,
-                "bootstrap": request.bootstrap,
-                "reports": {},
-            }
+        self.pending.expect(request.room, (request.rid, request.bootstrap))
         message = {
             "room": request.room,
             "pages": pages,
@@ -112,7 +107,7 @@ class DecodeHooks:
             "bootstrap": request.bootstrap,
         }
         if self.rank.group is not None:
-            self.rank.group.send(OP_RECEIVE, proto.json_tensor(message))
+            self.rank.group.send(Op.RECEIVE, proto.json_tensor(message))
         ready = dev.create_device_event(self.rank.device)  # right after the req_to_token row
         ready.record(dev.current_device_stream(self.rank.device))
         self.receiver.receive(request.room, pages, request.prompt_len, request.bootstrap, ready)
@@ -125,57 +120,41 @@ class DecodeHooks:
             return
         self.receiver.abort(request.room)
         if self.rank.group is not None:
-            self.rank.group.send(OP_ABORT, proto.json_tensor({"room": request.room}))
+            self.rank.group.send(Op.ABORT, proto.json_tensor({"room": request.room}))
 
     def report(self, room: int, report: dict[str, Any]) -> None:
         """A rank finished receiving `room` (this rank, or another through /internal/kv_ready)."""
-        with self.lock:
-            entry = self.pending.get(room)
-            if entry is None:
-                return
-            entry["reports"][int(report["rank"])] = report
-            if len(entry["reports"]) < self.rank.args.tp:
-                return
-            del self.pending[room]
-        self.finisher.submit(self._finish, room, entry)
+        done = self.pending.add(room, RankReport.from_json(report))
+        if done is not None:
+            self.finisher.submit(self._finish, room, done)
 
-    def _finish(self, room: int, entry: dict[str, Any]) -> None:
+    def _finish(self, room: int, done: Pending[tuple[str, str]]) -> None:
         assert self.engine is not None
-        reports = list(entry["reports"].values())
-        errors = [r["error"] for r in reports if not r.get("ok")]
-        info: dict[str, Any] = {
-            "bytes": sum(int(r.get("bytes", 0)) for r in reports),
-            "segments": max(int(r.get("segments", 0)) for r in reports),
-            "staging": any(r.get("staging") for r in reports),
-            "transport": self.rank.args.transfer_backend,
-            "digest_ok": not errors,
-            "transfer_ms": max(float(r.get("transfer_ms", 0)) for r in reports),
-        }
+        (rid, bootstrap), errors = done.entry, done.errors
+        info = combine(list(done.reports.values()), self.rank.args.transfer_backend, "decode")
         if errors:
-            self.engine.transferred(entry["rid"], f"decode: {errors[0]}", info)
+            self.engine.transferred(rid, f"decode: {errors[0]}", info)
             return
         try:
-            client = self.receiver.client(entry["bootstrap"])
+            client = self.receiver.client(bootstrap)
             state = client.call(
                 "GET", f"/bootstrap/result/{room}", params={"wait": self.rank.args.transfer_timeout}
             )
             result = state.get("result")
             if result is None:
-                raise PeerCallError(
-                    f"prefill {entry['bootstrap']} has no first token for room {room}"
-                )
+                raise PeerCallError(f"prefill {bootstrap} has no first token for room {room}")
         except PeerCallError as exc:
-            self.engine.transferred(entry["rid"], f"decode: {exc}", info)
+            self.engine.transferred(rid, f"decode: {exc}", info)
             return
         logit = result.get("logit")
-        info["first"] = TokenChoice(
+        first = TokenChoice(
             int(result["token"]),
             float(result["logprob"]),
             [tuple(x) for x in result["top"]],
             None if logit is None else float(logit),
         )
-        info["cached_tokens"] = int(result.get("cached_tokens", 0))
-        self.engine.transferred(entry["rid"], None, info)
+        info.cached_tokens = int(result.get("cached_tokens", 0))
+        self.engine.transferred(rid, None, info, first)
 
 
 def internal_routes(hooks: DecodeHooks) -> Any:
@@ -189,7 +168,7 @@ def internal_routes(hooks: DecodeHooks) -> Any:
                 return refused
             try:
                 body = await json_object(request)
-                room, _ = json_int(body, "room"), json_int(body, "rank")
+                room, _ = json_int(body, "room"), RankReport.from_json(body)
             except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
                 return JSONResponse({"error": f"malformed report: {exc}"}, status_code=400)
             hooks.report(room, body)
@@ -221,12 +200,12 @@ def run(rank: Rank) -> None:
 def ring_state(receiver: KVReceiver) -> dict[str, Any]:
     allocator = receiver.ring.allocator
     watermark = allocator.watermark
-    return {
-        "capacity": allocator.capacity,
-        "live_regions": allocator.num_live,
-        "empty": allocator.is_empty,
-        "watermark": [watermark.round, watermark.tail],
-    }
+    return RingState(
+        capacity=allocator.capacity,
+        live_regions=allocator.num_live,
+        empty=allocator.is_empty,
+        watermark=[watermark.round, watermark.tail],
+    ).to_json()
 
 
 def run_worker(rank: Rank) -> None:
@@ -254,8 +233,8 @@ def run_worker(rank: Rank) -> None:
     def on_abort(payload: Any) -> None:
         receiver.abort(int(proto.tensor_json(payload)["room"]))
 
-    rank.group.handlers[OP_RECEIVE] = on_receive
-    rank.group.handlers[OP_ABORT] = on_abort
+    rank.group.handlers[Op.RECEIVE] = on_receive
+    rank.group.handlers[Op.ABORT] = on_abort
     try:
         tensor_parallel.worker_loop(rank.group, rank.runner.forward)
     finally:

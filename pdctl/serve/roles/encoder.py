@@ -10,7 +10,7 @@ topology's transport, and reports their digest; prefill checks it. The answer is
 the prompt the router sends on to prefill and decode: `input_ids`, `mm_items`.
 
 With TP > 1 the encoder model is sharded over the ranks (model/encoder.py): rank 0
-serves HTTP, checks each image and announces it to the other ranks (OP_ENCODE, the
+serves HTTP, checks each image and announces it to the other ranks (`Op.ENCODE`, the
 image's float32 bits as int64, never pickled), then every rank computes its heads
 and its share of the MLP, exchanging row-parallel partials; rank 0 sends the result.
 The embeddings are bitwise those of a TP 1 encoder.
@@ -41,13 +41,13 @@ from pdctl.serve.roles.common import run_servers, server_info
 from pdctl.serve.runtime import DTYPES, Rank, stop_ranks
 from pdctl.serve.runtime import run_worker as run_tp_worker
 from pdctl.serve.tp import float_bits, from_float_bits
+from pdctl.serve.tp_ops import Op
 from pdctl.staging.buffer import StagingBuffer
 from pdctl.staging.embedding_pool import synchronize_before_send
 from pdctl.staging.transport import Peer
 
 log = logging.getLogger("pdctl.serve")
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-OP_ENCODE = 30  # TP: rank 0 hands the other ranks an image to encode
 
 
 def image_payload(image: torch.Tensor) -> torch.Tensor:
@@ -88,7 +88,7 @@ class Encoder:
         self.model = encoder_model(rank)
         group = rank.group
         if group is not None:
-            self.model.announce = lambda image: group.send(OP_ENCODE, image_payload(image))
+            self.model.announce = lambda image: group.send(Op.ENCODE, image_payload(image))
         self.transport = make_transport(args)
         self.buffer = StagingBuffer(int(args.embedding_pool_mb * (1 << 20)), rank.device)
         self.transport.register(
@@ -254,7 +254,7 @@ def run_worker(rank: Rank) -> None:
     def encode(payload: torch.Tensor) -> None:
         model.encode(image_from_payload(payload))  # rank 0 sends the result
 
-    rank.group.handlers[OP_ENCODE] = encode
+    rank.group.handlers[Op.ENCODE] = encode
     run_tp_worker(rank)
 
 

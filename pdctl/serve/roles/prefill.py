@@ -12,6 +12,7 @@ import logging
 import threading
 from typing import Any
 
+from pdctl.records import KVSent
 from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.api.app import create_app
 from pdctl.serve.api.errors import BadRequest
@@ -26,15 +27,16 @@ from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import Client, run_secret, warn_if_no_secret
 from pdctl.serve.pd.embeddings import EmbeddingError, EmbeddingReceiver
 from pdctl.serve.pd.endpoint import make_transport
+from pdctl.serve.pd.reports import RankReport, RankReports, combine
 from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher
 from pdctl.serve.pd.sender import KVSender, Report, Snapshot
 from pdctl.serve.roles.common import build_engine, serve, server_info
 from pdctl.serve.runtime import Rank
+from pdctl.serve.tp_ops import Op
 from pdctl.staging import device as dev
 from pdctl.staging.embedding_pool import EmbeddingPool
 
 log = logging.getLogger("pdctl.serve")
-OP_SEND = 10
 
 
 def make_sender(rank: Rank, snapshot: Snapshot, report: Report) -> KVSender:
@@ -68,20 +70,11 @@ class PrefillHooks:
     def __init__(self, rank: Rank, rooms: Rooms) -> None:
         self.rank, self.rooms = rank, rooms
         self.engine: Engine | None = None
-        self.pending: dict[int, dict[str, Any]] = {}  # room -> {rid, reports}
+        self.pending: RankReports[str] = RankReports(rank.args.tp)  # room -> the request's rid
         self.lock = threading.Lock()
         self.sender = make_sender(rank, self._snapshot, self.report)
         self.embeddings: EmbeddingReceiver | None = None  # set by run(): every prefill takes them
-        # What /get_server_info reports as kv_sent (benchmarks read the deltas).
-        self.sent_totals: dict[str, Any] = {
-            "rooms": 0,
-            "failed_rooms": 0,
-            "bytes": 0,
-            "write_ms": 0.0,
-            "gather_ms": 0.0,
-            "digest_ms": 0.0,
-            "transfer_ms": 0.0,
-        }
+        self.sent_totals = KVSent()  # what /get_server_info reports as kv_sent
 
     def _snapshot(self, room: int, wait: float, condition: dict[str, int]) -> dict[str, Any]:
         return self.rooms.wait_for(room, condition, wait)
@@ -130,11 +123,10 @@ class PrefillHooks:
             },
         )
         pages = self.engine.scheduler.prompt_pages(request)
-        with self.lock:
-            self.pending[room] = {"rid": request.rid, "reports": {}}
+        self.pending.expect(room, request.rid)
         message = {"room": room, "pages": pages, "num_tokens": request.prompt_len}
         if self.rank.group is not None:
-            self.rank.group.send(OP_SEND, proto.json_tensor(message))
+            self.rank.group.send(Op.SEND, proto.json_tensor(message))
         ready = dev.create_device_event(self.rank.device)
         ready.record(dev.current_device_stream(self.rank.device))
         self.sender.send(room, pages, request.prompt_len, ready)
@@ -148,36 +140,20 @@ class PrefillHooks:
 
     def report(self, room: int, report: dict[str, Any]) -> None:
         """A rank finished sending `room` (this rank, or another through /internal/sent)."""
+        done = self.pending.add(room, RankReport.from_json(report))
+        if done is None:
+            return
+        errors = done.errors
+        info = combine(list(done.reports.values()), self.rank.args.transfer_backend, "prefill")
         with self.lock:
-            entry = self.pending.get(room)
-            if entry is None:
-                return
-            entry["reports"][int(report["rank"])] = report
-            if len(entry["reports"]) < self.rank.args.tp:
-                return
-            del self.pending[room]
-        reports = list(entry["reports"].values())
-        errors = [r["error"] for r in reports if not r.get("ok")]
-        info = {
-            "bytes": sum(int(r.get("bytes", 0)) for r in reports),
-            "segments": max(int(r.get("segments", 0)) for r in reports),
-            "transfer_ms": max(float(r.get("transfer_ms", 0)) for r in reports),
-            "write_ms": max(float(r.get("write_ms", 0)) for r in reports),
-            "gather_ms": max(float(r.get("gather_ms", 0)) for r in reports),
-            "digest_ms": max(float(r.get("digest_ms", 0)) for r in reports),
-            "transport": self.rank.args.transfer_backend,
-        }
-        with self.lock:
-            totals = self.sent_totals
-            totals["rooms" if not errors else "failed_rooms"] += 1
-            if not errors:
-                totals["bytes"] += info["bytes"]
-                for key in ("write_ms", "gather_ms", "digest_ms"):
-                    totals[key] = round(totals[key] + info[key], 3)
-                totals["transfer_ms"] = round(totals["transfer_ms"] + info["transfer_ms"], 3)
+            self.sent_totals.add(info, ok=not errors)
         self.rooms.close(room, "finished" if not errors else f"failed: {errors[0]}")
         assert self.engine is not None
-        self.engine.transferred(entry["rid"], f"prefill: {errors[0]}" if errors else None, info)
+        self.engine.transferred(done.entry, f"prefill: {errors[0]}" if errors else None, info)
+
+    def sent(self) -> dict[str, Any]:
+        with self.lock:
+            return self.sent_totals.to_json()
 
 
 def run(rank: Rank) -> None:
@@ -213,7 +189,7 @@ def run(rank: Rank) -> None:
         extra_info=lambda: {
             "bootstrap_port": args.bootstrap_port,
             "open_rooms": rooms.open_rooms(),
-            "kv_sent": dict(hooks.sent_totals),
+            "kv_sent": hooks.sent(),
             "embeddings": hooks.embeddings.state() if hooks.embeddings else None,
         },
         prepare=hooks.prepare,
@@ -254,7 +230,7 @@ def run_worker(rank: Rank) -> None:
         ready.record(dev.current_device_stream(rank.device))
         sender.send(int(message["room"]), list(message["pages"]), int(message["num_tokens"]), ready)
 
-    rank.group.handlers[OP_SEND] = on_send
+    rank.group.handlers[Op.SEND] = on_send
     try:
         tensor_parallel.worker_loop(rank.group, rank.runner.forward)
     finally:

@@ -10,14 +10,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
+from pdctl.records import KVTransfer
 from pdctl.serve.api.errors import error_body
 from pdctl.serve.router.workers import RouterState, Worker
+
+log = logging.getLogger("pdctl.serve")
 
 
 class SideFailed(Exception):
@@ -116,16 +120,18 @@ def _add_prefill_side(meta: dict[str, Any], prefill_answer: Any) -> None:
     staging kernels and the transport own) and `send_ms` (prefill's whole send,
     waits for decode's ring regions included), with `gather_ms` and `digest_ms`, the
     parts of write_ms spent gathering and taking digests."""
-    transfer = meta.get("kv_transfer")
     sent = None
     if isinstance(prefill_answer, dict) and isinstance(prefill_answer.get("meta_info"), dict):
         sent = prefill_answer["meta_info"].get("kv_transfer")
-    if not isinstance(transfer, dict) or not isinstance(sent, dict):
+    if not isinstance(meta.get("kv_transfer"), dict) or not isinstance(sent, dict):
         return
-    pairs = ("write_ms", "write_ms"), ("gather_ms", "gather_ms"), ("digest_ms", "digest_ms")
-    for theirs, ours in (*pairs, ("transfer_ms", "send_ms")):
-        if isinstance(sent.get(theirs), (int, float)):
-            transfer[ours] = sent[theirs]
+    try:
+        transfer = KVTransfer.from_json(meta["kv_transfer"], "decode's kv_transfer")
+        transfer.add_prefill_side(KVTransfer.from_json(sent, "prefill's kv_transfer"))
+    except ValueError as exc:  # the answer goes on as decode gave it
+        log.warning("router: %s", exc)
+        return
+    meta["kv_transfer"] = transfer.to_json()
 
 
 async def route_one(

@@ -1,0 +1,125 @@
+"""What each TP rank reports when it finished a room's KV, and rank 0's collector.
+
+Every rank of a prefill (sending) or decode (receiving) server moves its own head
+slice; rank 0 answers the request once all `tp` ranks reported. Rank 0's own report
+arrives as a call, the others' over HTTP (`/internal/sent` on prefill's bootstrap
+port, `/internal/kv_ready` on decode's API) as the same JSON plus the room.
+`RankReports` holds the rooms still waiting for ranks; `combine` makes the request's
+`KVTransfer` of them. It knows nothing of the engine or of HTTP.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from pdctl.records import KVTransfer
+
+Entry = TypeVar("Entry")
+COUNTS = ("bytes", "segments")
+TIMES = ("transfer_ms", "write_ms", "gather_ms", "digest_ms")
+
+
+@dataclass
+class RankReport:
+    """One rank's part of a room: how much it moved and how long it took, or why not."""
+
+    rank: int
+    ok: bool
+    error: str | None = None
+    bytes: int = 0
+    segments: int = 0
+    staging: bool = False  # decode: through the staging ring
+    transfer_ms: float = 0.0
+    write_ms: float = 0.0  # prefill: gathering, digests and writes
+    gather_ms: float = 0.0
+    digest_ms: float = 0.0
+
+    @staticmethod
+    def from_json(data: Any) -> RankReport:
+        """A report from JSON, its fields type-checked (ValueError names the field);
+        other keys (the room it came with) are not the report's."""
+        if not isinstance(data, dict):
+            raise ValueError("a rank report is a JSON object")
+        rank = data.get("rank")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError("rank must be a non-negative integer")
+        if not isinstance(data.get("ok"), bool):
+            raise ValueError("ok must be true or false")
+        error = data.get("error")
+        if not data["ok"] and not isinstance(error, str):
+            raise ValueError("a failed report needs its error as text")
+        values: dict[str, Any] = {}
+        for name in (*COUNTS, *TIMES):
+            value = data.get(name, 0)
+            kinds = (int,) if name in COUNTS else (int, float)
+            if not isinstance(value, kinds) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number")
+            values[name] = value
+        staging = data.get("staging", False)
+        if not isinstance(staging, bool):
+            raise ValueError("staging must be true or false")
+        text = error[:2000] if isinstance(error, str) else None
+        return RankReport(rank, data["ok"], text, staging=staging, **values)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"rank": self.rank, "ok": self.ok, "error": self.error, "staging": self.staging}
+        return {**out, **{name: getattr(self, name) for name in (*COUNTS, *TIMES)}}
+
+
+def combine(reports: list[RankReport], transport: str, side: str) -> KVTransfer:
+    """A room's transfer from its ranks' reports: bytes add up, the slowest rank's time
+    and the most segments count. Prefill reports its write times, decode the path and
+    whether every digest matched."""
+    transfer = KVTransfer(
+        bytes=sum(r.bytes for r in reports),
+        segments=max(r.segments for r in reports),
+        transport=transport,
+        transfer_ms=max(float(r.transfer_ms) for r in reports),
+    )
+    if side == "prefill":
+        transfer.write_ms = max(float(r.write_ms) for r in reports)
+        transfer.gather_ms = max(float(r.gather_ms) for r in reports)
+        transfer.digest_ms = max(float(r.digest_ms) for r in reports)
+    else:
+        transfer.staging = any(r.staging for r in reports)
+        transfer.digest_ok = all(r.ok for r in reports)
+    return transfer
+
+
+@dataclass
+class Pending(Generic[Entry]):
+    """A room rank 0 waits on: what it needs once complete, and the reports so far."""
+
+    entry: Entry
+    reports: dict[int, RankReport] = field(default_factory=dict)
+
+    @property
+    def errors(self) -> list[str]:
+        return [r.error or "failed" for r in self.reports.values() if not r.ok]
+
+
+class RankReports(Generic[Entry]):
+    """Rank 0's rooms still waiting for their ranks' reports (thread-safe)."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+        self._pending: dict[int, Pending[Entry]] = {}
+        self._lock = threading.Lock()
+
+    def expect(self, room: int, entry: Entry) -> None:
+        with self._lock:
+            self._pending[room] = Pending(entry)
+
+    def add(self, room: int, report: RankReport) -> Pending[Entry] | None:
+        """Record a rank's report; the room, taken out, once every rank reported (None
+        before, and for a room nobody expects: it ended already)."""
+        with self._lock:
+            pending = self._pending.get(room)
+            if pending is None:
+                return None
+            pending.reports[report.rank] = report
+            if len(pending.reports) < self.tp:
+                return None
+            return self._pending.pop(room)
