@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pdctl.launch.processes import group_alive, pid_alive, start_time
+from tests.polling import wait_until
 
 PDCTL = [sys.executable, "-m", "pdctl"]
 
@@ -75,11 +77,17 @@ def test_up_detach_status_logs_down(
         [*PDCTL, "logs", "test-topology", "router", "-f", "-n", "1"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    time.sleep(1.0)
+    assert follower.stdout is not None and follower.stderr is not None
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(follower.stdout), daemon=True)
+    reader.start()
+    wait_until(lambda: any("router-tp0.log" in line for line in lines), 30, "logs -f to follow")
     down = pdctl(env, "down", "test-topology")
     assert down.returncode == 0, down.stderr
-    out, err = follower.communicate(timeout=10)  # -f ends by itself once the run is down
-    assert "router-tp0.log" in out and "has stopped" in err
+    follower.wait(timeout=10)  # -f ends by itself once the run is down
+    reader.join(10)
+    err = follower.stderr.read()
+    assert "has stopped" in err, err
     assert "stopped " in down.stderr
     assert not any(group_alive(g) for g in pgids)
     assert runs(env) == []

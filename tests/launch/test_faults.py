@@ -24,6 +24,7 @@ import pytest
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.processes import group_alive, group_members
 from pdctl.launch.run import LaunchFailed, Run
+from tests.polling import wait_until
 
 PROMPT = [(j * 13) % 500 + 1 for j in range(60)]
 BODY = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
@@ -72,13 +73,37 @@ def send(run: Run, timeout: float = 60) -> tuple[int, Any, float]:
     return response.status_code, value, time.monotonic() - started
 
 
-def burst(run: Run, count: int, during: Callable[[], None], wait: float) -> list[Any]:
-    """`count` concurrent requests; `during` runs `wait` seconds after they started."""
+def burst(
+    run: Run, count: int, during: Callable[[], None], ready: Callable[[], bool] | None = None
+) -> list[Any]:
+    """`count` concurrent requests; `during` runs once `ready()` holds (at once if None)."""
     with ThreadPoolExecutor(count) as pool:
         futures = [pool.submit(send, run) for _ in range(count)]
-        time.sleep(wait)
+        if ready is not None:
+            wait_until(ready, 30, "the burst's requests to reach the server under test")
         during()
         return [f.result() for f in futures]
+
+
+def info(run: Run, name: str) -> dict[str, Any]:
+    response = httpx.get(f"{run.state(name).url}/get_server_info", timeout=5)
+    return dict(response.json())
+
+
+def in_flight(run: Run, name: str, count: int) -> Callable[[], bool]:
+    """`name` holds `count` requests admitted (a PD request stays so while its KV moves)."""
+    return lambda: info(run, name)["running_requests"] >= count
+
+
+def wait_dropped(run: Run, side: str, name: str) -> None:
+    """The router's health check found `name` gone (it stops picking it)."""
+    url = run.state(name).url
+
+    def dropped() -> bool:
+        workers = httpx.get(f"{run.router_url}/get_server_info", timeout=5).json()[side]
+        return any(w["url"] == url and not w["healthy"] for w in workers)
+
+    wait_until(dropped, 30, f"the router to drop {name}")
 
 
 def pgid_of(run: Run, name: str) -> int:
@@ -107,7 +132,8 @@ def test_a_decode_rank_killed_mid_transfer(start: Callable[..., Run]) -> None:
     run = start(decode=2, faults=[{"name": "delay-transfer", "seconds": 1.5}])
     reference = send(run)[1]
     victim = rank_pid(run, "decode-1", 1)
-    results = burst(run, 6, lambda: os.kill(victim, signal.SIGKILL), wait=0.6)
+    # half the burst is on decode-1 (round-robin), admitted and waiting for its KV
+    results = burst(run, 6, lambda: os.kill(victim, signal.SIGKILL), in_flight(run, "decode-1", 3))
     failed = [r for r in results if r[0] != 200]
     done = [r for r in results if r[0] == 200]
     assert failed and done, results  # the router spread them over both decode servers
@@ -115,7 +141,7 @@ def test_a_decode_rank_killed_mid_transfer(start: Callable[..., Run]) -> None:
     for _, message, elapsed in failed:
         assert "decode-1 rank 1" in str(message) and run.state("decode-1").url in message
         assert elapsed < TIMEOUTS["request_s"] + 5, (elapsed, message)
-    time.sleep(1.5)  # the router's health check drops decode-1
+    wait_dropped(run, "decode", "decode-1")
     assert send(run)[:2] == (200, reference)  # the survivors serve on
     ok, held, _ = run.pools_back(names=["prefill-0", "decode-0"])
     assert ok, held
@@ -125,7 +151,9 @@ def test_a_decode_rank_killed_mid_transfer(start: Callable[..., Run]) -> None:
 def test_prefill_killed_mid_transfer(start: Callable[..., Run]) -> None:
     run = start(prefill=2, faults=[{"name": "delay-transfer", "seconds": 1.5}])
     reference = send(run)[1]
-    results = burst(run, 6, lambda: os.killpg(pgid_of(run, "prefill-1"), signal.SIGKILL), 0.6)
+    kill = lambda: os.killpg(pgid_of(run, "prefill-1"), signal.SIGKILL)  # noqa: E731
+    # half the burst is on prefill-1, computed and held by the delay before its send
+    results = burst(run, 6, kill, in_flight(run, "prefill-1", 3))
     failed = [r for r in results if r[0] != 200]
     done = [r for r in results if r[0] == 200]
     assert failed and done, results
@@ -133,7 +161,7 @@ def test_prefill_killed_mid_transfer(start: Callable[..., Run]) -> None:
     for _, message, elapsed in failed:
         assert f"prefill {run.state('prefill-1').url} failed" in str(message), message
         assert elapsed < TIMEOUTS["request_s"] + 5, (elapsed, message)
-    time.sleep(1.5)
+    wait_dropped(run, "prefill", "prefill-1")
     assert send(run)[:2] == (200, reference)
     ok, held, _ = run.pools_back(names=["prefill-0", "decode-0"])
     assert ok, held
@@ -147,7 +175,7 @@ def test_a_transport_peer_that_stops_answering(start: Callable[..., Run]) -> Non
     victim = rank_pid(run, "decode-1", 1)
     thaw = threading.Timer(8.0, os.kill, (victim, signal.SIGCONT))
     try:
-        results = burst(run, 6, lambda: (os.kill(victim, signal.SIGSTOP), thaw.start()), 0.0)
+        results = burst(run, 6, lambda: (os.kill(victim, signal.SIGSTOP), thaw.start()))
     finally:
         thaw.join()
         os.kill(victim, signal.SIGCONT)
