@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import threading
@@ -25,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pdctl.serve import tp_shm
 from pdctl.serve.model.batch import Piece
 from pdctl.serve.tp_ops import Op
 
@@ -62,6 +64,7 @@ class TPGroup:
         else:
             store = dist.TCPStore(host, port, world, False, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        self.shared = _shared_gather(store, rank, world, timeout_s) if backend == "gloo" else None
         self.handlers: dict[int, Handler] = {}
         # A second group, on host memory, for messages off the step protocol: rank 0
         # publishes from one thread, the others listen on one (see `publish`/`listen`).
@@ -69,9 +72,12 @@ class TPGroup:
 
     def gather(self, partials: torch.Tensor) -> torch.Tensor:
         local = partials.to("cpu") if self.via_host else partials.contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.world)]
-        dist.all_gather(parts, local)
-        gathered = torch.cat(parts)
+        if self.shared is not None and self.shared.fits(local):  # the same choice on every rank
+            gathered = self.shared.gather(local)
+        else:
+            parts = [torch.empty_like(local) for _ in range(self.world)]
+            dist.all_gather(parts, local)
+            gathered = torch.cat(parts)
         return gathered.to(partials.device) if self.via_host else gathered
 
     def send(self, op: int, payload: torch.Tensor | None = None) -> None:
@@ -112,8 +118,31 @@ class TPGroup:
         return payload.numpy().tobytes()
 
     def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _shared_gather(
+    store: dist.TCPStore, rank: int, world: int, timeout_s: float
+) -> tp_shm.SharedGather | None:
+    """Host-memory gathers through a shared file (`tp_shm`), which rank 0 creates and
+    names in the store; unlinked once every rank mapped it, so nothing outlives the
+    ranks. None where futexes are missing or PDCTL_TP_GATHER=collective asks for gloo."""
+    if not tp_shm.available() or os.environ.get("PDCTL_TP_GATHER") == "collective":
+        return None
+    if rank == 0:
+        path = f"/dev/shm/pdctl-tp-{os.getpid()}-{secrets.token_hex(4)}"
+        tp_shm.SharedGather.create(path, world)
+        store.set("pdctl_tp_shared_gather", path)
+    else:
+        path = store.get("pdctl_tp_shared_gather").decode()
+    shared = tp_shm.SharedGather(path, rank, world, timeout_s)
+    dist.barrier()  # every rank mapped it
+    if rank == 0:
+        tp_shm.unlink(path)
+    return shared
 
 
 def float_bits(values: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,142 @@
+"""The TP all-gather of small host tensors through shared memory, for ranks of one host.
+
+A decode step gathers each layer's row-parallel partials twice; through gloo each
+gather is a TCP round trip on loopback with its own threads (about 250 us on a
+small CPU), while the payload is a few KiB. Here each rank copies its partial into
+its slot of a shared file, publishes a sequence number, and waits (futex: the
+waiting rank sleeps in the kernel, no spinning on a shared core) until every rank
+published the same number; then all slots are read in rank order. The bytes are
+the ones gloo would deliver, so results are bit-identical.
+
+    file:  header [world x 64 B: int32 sequence]  | slots [2 parities][world][capacity]
+
+Two slot sets alternate by the sequence's parity: a rank writes the set of call n
+only after every rank published n - 1, which each does after reading the set of
+n - 2, so no slot is written while another rank may still read it. Payloads larger
+than a slot go through the caller's collective (every rank makes the same choice:
+the shapes are equal on all ranks).
+
+What this does not know: the model, or which ranks are alive (a dead rank shows as a
+timeout, reported as an error naming the rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import time
+
+import torch
+
+HEADER_STRIDE = 64  # one cache line per rank's sequence word
+SLOT_BYTES = 1 << 20  # per rank and parity: decode batches of partials fit easily
+SPIN_S = 20e-6  # a rank that arrives last finds the others there at once
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def available() -> bool:
+    """Futexes on this machine (Linux on x86_64 or aarch64) and a /dev/shm to share."""
+    return _SYS_FUTEX is not None and os.path.isdir("/dev/shm")
+
+
+def file_size(world: int) -> int:
+    return world * HEADER_STRIDE + 2 * world * SLOT_BYTES
+
+
+class SharedGather:
+    """One rank's end of the shared file at `path` (rank 0 created it, sized)."""
+
+    def __init__(self, path: str, rank: int, world: int, timeout_s: float) -> None:
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.path = path
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, file_size(world))
+        finally:
+            os.close(fd)
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # the whole file
+        self._words = [
+            ctypes.c_int32.from_buffer(self._map, r * HEADER_STRIDE) for r in range(world)
+        ]
+        self._count = 0
+
+    @staticmethod
+    def create(path: str, world: int) -> None:
+        """Rank 0: the zeroed file (sequence 0 everywhere), before the others open it."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, file_size(world))
+        finally:
+            os.close(fd)
+
+    def fits(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() <= SLOT_BYTES
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's `local` (same shape and dtype on all), concatenated in rank order."""
+        local = local.contiguous()
+        nbytes = local.numel() * local.element_size()
+        self._count += 1
+        sequence = self._count
+        parity = sequence % 2
+        self._slot(parity, self.rank, nbytes).copy_(local.view(-1).view(torch.uint8))
+        self._words[self.rank].value = sequence  # after the bytes (stores stay in order)
+        self._wake(self.rank)
+        for other in range(self.world):
+            if other != self.rank:
+                self._wait(other, sequence)
+        parts = [self._slot(parity, r, nbytes) for r in range(self.world)]
+        gathered = torch.cat(parts).view(local.dtype)  # a copy: the slots are reused
+        return gathered.view(self.world * local.shape[0], *local.shape[1:])
+
+    def _slot(self, parity: int, rank: int, nbytes: int) -> torch.Tensor:
+        start = self.world * HEADER_STRIDE + (parity * self.world + rank) * SLOT_BYTES
+        return self._bytes[start : start + nbytes]
+
+    def _wake(self, rank: int) -> None:
+        address = ctypes.addressof(self._words[rank])
+        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, 2**31 - 1, None, None, 0)
+
+    def _wait(self, rank: int, sequence: int) -> None:
+        word = self._words[rank]
+        spin_until = time.perf_counter() + SPIN_S
+        while word.value < sequence and time.perf_counter() < spin_until:
+            pass
+        deadline = time.monotonic() + self.timeout_s
+        timeout = _Timespec(0, 200_000_000)  # re-check at least every 0.2 s
+        address = ctypes.c_void_p(ctypes.addressof(word))
+        while True:
+            seen = word.value
+            if seen >= sequence:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"TP rank {rank} did not reach gather {sequence} within {self.timeout_s:g} s "
+                    f"(it is at {seen})"
+                )
+            _libc.syscall(  # sleeps only while the word still reads `seen`
+                _SYS_FUTEX, address, _FUTEX_WAIT, seen, ctypes.byref(timeout), None, 0
+            )
+
+    def close(self) -> None:
+        self._words.clear()
+        del self._bytes
+        with contextlib.suppress(BufferError):  # still viewed: the OS unmaps it at exit
+            self._map.close()
+        if self.rank == 0:
+            unlink(self.path)
+
+
+def unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
