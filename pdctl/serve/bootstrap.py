@@ -33,7 +33,7 @@ from pdctl.serve.pd.protocol import (
     segment_from_json,
 )
 from pdctl.serve.pd.reports import RankReport
-from pdctl.serve.pd.room_state import condition_holds
+from pdctl.serve.pd.room_state import RoomWait
 
 TOMBSTONE_S = 300.0
 
@@ -156,16 +156,12 @@ class Rooms:
             self._changed.notify_all()
         self._changed_room(room)
 
-    def wait_for(self, room: int, condition: dict[str, int], timeout: float) -> dict[str, Any]:
-        """The room's snapshot once `condition` holds, it closed, or `timeout` passed.
-
-        `{"ranks": n}`: n decode ranks registered; `{"decode_rank": r}`: rank r did;
-        `{"decode_rank": r, "segment": i}`: rank r offered a region for segment i; `{}`: now.
-        """
+    def wait_for(self, room: int, condition: RoomWait, timeout: float) -> dict[str, Any]:
+        """The room's snapshot once `condition` holds, it closed, or `timeout` passed."""
 
         def ready(item: Room) -> bool:
             offered = {r: [s.index for s in reg.segments] for r, reg in item.registrations.items()}
-            return condition_holds(offered, condition)
+            return condition.holds(offered)
 
         self.wait(room, ready, timeout)
         return self.snapshot(room)
@@ -279,11 +275,7 @@ def add_room_routes(app: FastAPI, rooms: Rooms) -> None:
         decode_rank: int | None = None,
         segment: int | None = None,
     ) -> dict[str, Any]:
-        condition = {"ranks": ranks}
-        if decode_rank is not None:
-            condition["decode_rank"] = decode_rank
-            if segment is not None:
-                condition["segment"] = segment
+        condition = RoomWait.from_query(ranks, decode_rank, segment)
         state: dict[str, Any] = await asyncio.to_thread(
             rooms.wait_for, room, condition, min(wait, 30.0)
         )

@@ -13,7 +13,7 @@ import time
 
 from pdctl.serve.bootstrap import Rooms
 from pdctl.serve.pd import protocol as proto
-from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher, condition_holds
+from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher, RoomWait
 
 LAYOUT = {"page_size": 16, "num_layers": 2, "head_dim": 8, "elem_bytes": 4}
 
@@ -43,14 +43,16 @@ def segment(index: int) -> proto.SegmentRegion:
     return proto.SegmentRegion(index, index, 1, 4096 * (index + 1), 0, 4096, 4096, (0, 0))
 
 
-def test_condition_holds_like_the_registry_waits() -> None:
-    assert condition_holds({}, {}) is True
-    assert condition_holds({}, {"ranks": 1}) is False
-    assert condition_holds({0: [], 1: [0]}, {"ranks": 2}) is True
-    assert condition_holds({1: []}, {"decode_rank": 1}) is True
-    assert condition_holds({1: []}, {"decode_rank": 0}) is False
-    assert condition_holds({1: [0, 2]}, {"decode_rank": 1, "segment": 2}) is True
-    assert condition_holds({1: [0, 2]}, {"decode_rank": 1, "segment": 1}) is False
+def test_room_waits_hold_like_the_registry_waits() -> None:
+    assert RoomWait().holds({}) is True
+    assert RoomWait.registered().holds({}) is False
+    assert RoomWait(ranks=2).holds({0: [], 1: [0]}) is True
+    assert RoomWait.registered(1).holds({1: []}) is True
+    assert RoomWait.registered(0).holds({1: []}) is False
+    assert RoomWait.offered(1, 2).holds({1: [0, 2]}) is True
+    assert RoomWait.offered(1, 1).holds({1: [0, 2]}) is False
+    assert RoomWait.from_query(0, None, 3) == RoomWait()  # a segment needs its rank
+    assert RoomWait.from_query(1, 2, 3) == RoomWait(1, 2, 3)
 
 
 def test_a_mirror_sees_registrations_offers_and_the_end_of_a_room() -> None:
@@ -61,15 +63,15 @@ def test_a_mirror_sees_registrations_offers_and_the_end_of_a_room() -> None:
     waited: dict[str, object] = {}
 
     def sender() -> None:  # what a rank-1 sender does: wait for rank 1's segment 1
-        waited["state"] = mirror.wait_for(7, {"decode_rank": 1, "segment": 1}, 10.0)
+        waited["state"] = mirror.wait_for(7, RoomWait.offered(1, 1), 10.0)
 
     thread = threading.Thread(target=sender)
     thread.start()
-    assert mirror.wait_for(7, {"ranks": 1}, 0.05)["registrations"] == {}  # nothing yet
+    assert mirror.wait_for(7, RoomWait(ranks=1), 0.05)["registrations"] == {}  # nothing yet
     rooms.register(registration(7, 0))
     rooms.register(registration(7, 1))
-    assert set(mirror.wait_for(7, {"ranks": 2}, 5.0)["registrations"]) == {"0", "1"}
-    as_sender = mirror.snapshot(7, 5.0, {"decode_rank": 1})  # the sender's argument order
+    assert set(mirror.wait_for(7, RoomWait(ranks=2), 5.0)["registrations"]) == {"0", "1"}
+    as_sender = mirror.snapshot(7, 5.0, RoomWait.registered(1))  # the sender's argument order
     assert set(as_sender["registrations"]) == {"0", "1"}
     rooms.add_segments(7, 1, [segment(0)])
     rooms.add_segments(7, 1, [segment(1)])
@@ -78,14 +80,16 @@ def test_a_mirror_sees_registrations_offers_and_the_end_of_a_room() -> None:
     assert isinstance(state, dict)
     assert [s["index"] for s in state["registrations"]["1"]["segments"]] == [0, 1]
     rooms.close(7, "failed: decode went away")
-    closed = mirror.wait_for(7, {"decode_rank": 0, "segment": 9}, 5.0)
+    closed = mirror.wait_for(7, RoomWait.offered(0, 9), 5.0)
     assert closed["closed"] == "failed: decode went away"  # a closed room ends every wait
     publisher.close()
     deadline = time.monotonic() + 5
     while not mirror.ended and time.monotonic() < deadline:
         time.sleep(0.01)
     assert mirror.ended  # the end of the channel reached the listener
-    assert mirror.wait_for(8, {"ranks": 1}, 5.0)["registrations"] == {}  # at once after the end
+    assert (
+        mirror.wait_for(8, RoomWait(ranks=1), 5.0)["registrations"] == {}
+    )  # at once after the end
 
 
 def test_changes_that_pile_up_go_out_as_one_snapshot() -> None:
@@ -107,5 +111,5 @@ def test_changes_that_pile_up_go_out_as_one_snapshot() -> None:
     publisher.close()
     assert channel.published <= 3  # the registration, the piled-up offers, the end
     mirror = RoomMirror(channel)
-    state = mirror.wait_for(3, {"decode_rank": 0, "segment": 19}, 5.0)
+    state = mirror.wait_for(3, RoomWait.offered(0, 19), 5.0)
     assert len(state["registrations"]["0"]["segments"]) == 20

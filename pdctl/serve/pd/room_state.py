@@ -22,6 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 log = logging.getLogger("pdctl.serve")
@@ -111,11 +112,11 @@ class RoomMirror:
                 self._rooms.popitem(last=False)
             self._changed.notify_all()
 
-    def snapshot(self, room: int, wait: float, condition: dict[str, int]) -> dict[str, Any]:
+    def snapshot(self, room: int, wait: float, condition: RoomWait) -> dict[str, Any]:
         """The sender's view of a room (`sender.Snapshot`): `wait_for` in its argument order."""
         return self.wait_for(room, condition, wait)
 
-    def wait_for(self, room: int, condition: dict[str, int], timeout: float) -> dict[str, Any]:
+    def wait_for(self, room: int, condition: RoomWait, timeout: float) -> dict[str, Any]:
         """As `Rooms.wait_for`: the snapshot once `condition` holds, the room closed, or
         `timeout` passed (then the latest snapshot, or an empty one)."""
         deadline = time.monotonic() + timeout
@@ -130,28 +131,48 @@ class RoomMirror:
                 self._changed.wait(min(remaining, 0.5))
 
 
-def condition_holds(offered: Mapping[int, Iterable[int]], condition: dict[str, int]) -> bool:
-    """A sender's wait condition over decode rank -> the segment indices it offered:
-    `{"ranks": n}` n ranks registered; `{"decode_rank": r}` rank r did; with
-    `"segment": i`, rank r offered a region for segment i."""
-    if len(offered) < int(condition.get("ranks", 0)):
-        return False
-    rank, segment = condition.get("decode_rank"), condition.get("segment")
-    if rank is None:
-        return True
-    segments = offered.get(int(rank))
-    if segments is None or segment is None:
-        return segments is not None
-    return int(segment) in segments
+@dataclass(frozen=True)
+class RoomWait:
+    """What a sender waits for in a room: `ranks` decode ranks registered; with
+    `decode_rank`, that rank registered; with `segment` too, that rank offered a ring
+    region for segment `segment`. `RoomWait()` holds at once."""
+
+    ranks: int = 0
+    decode_rank: int | None = None
+    segment: int | None = None
+
+    @staticmethod
+    def registered(decode_rank: int | None = None) -> RoomWait:
+        """Decode rank `decode_rank` registered (None: any one rank did)."""
+        return RoomWait(ranks=1) if decode_rank is None else RoomWait(decode_rank=decode_rank)
+
+    @staticmethod
+    def offered(decode_rank: int, segment: int) -> RoomWait:
+        return RoomWait(decode_rank=decode_rank, segment=segment)
+
+    def holds(self, offered: Mapping[int, Iterable[int]]) -> bool:
+        """Over decode rank -> the segment indices it offered."""
+        if len(offered) < self.ranks:
+            return False
+        if self.decode_rank is None:
+            return True
+        segments = offered.get(self.decode_rank)
+        if segments is None or self.segment is None:
+            return segments is not None
+        return self.segment in segments
+
+    @staticmethod
+    def from_query(ranks: int, decode_rank: int | None, segment: int | None) -> RoomWait:
+        return RoomWait(ranks, decode_rank, segment if decode_rank is not None else None)
 
 
-def _holds(snapshot: dict[str, Any], condition: dict[str, int]) -> bool:
+def _holds(snapshot: dict[str, Any], condition: RoomWait) -> bool:
     registrations: dict[str, Any] = snapshot.get("registrations") or {}
     offered = {
         int(rank): [int(s["index"]) for s in registration.get("segments", [])]
         for rank, registration in registrations.items()
     }
-    return condition_holds(offered, condition)
+    return condition.holds(offered)
 
 
 def _empty(room: int) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from pdctl.serve.faults import RoomFaults
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import PeerCallError
 from pdctl.serve.pd.mapped_write import MappedWriter, StartedWrite
+from pdctl.serve.pd.room_state import RoomWait
 from pdctl.staging import device as dev
 from pdctl.staging.buffer import init_staging_buffers
 from pdctl.staging.descriptors import KVRows, block_address, direct_descriptors, kv_bases
@@ -47,9 +48,8 @@ from pdctl.staging.layout import HeadSlice, StagingLayout, head_slices, plan_seg
 from pdctl.staging.transport import Peer, Transport, TransportError
 
 log = logging.getLogger("pdctl.serve")
-# (room, wait seconds, condition) -> room state; condition: {"ranks": n} (that many decode
-# ranks registered) or {"decode_rank": r, "segment": i} (rank r offered segment i).
-Snapshot = Callable[[int, float, dict[str, int]], dict[str, Any]]
+# (room, wait seconds, what to wait for) -> the room's state
+Snapshot = Callable[[int, float, RoomWait], dict[str, Any]]
 Report = Callable[[int, dict[str, Any]], None]
 
 
@@ -126,7 +126,7 @@ class KVSender:
         self.executor.submit(self._run, room, pages, num_tokens, ready, job)
 
     def _start_early(self, room: int, pages: list[int]) -> RoomJob | None:
-        state = self.snapshot(room, 0.0, {"ranks": 1})
+        state = self.snapshot(room, 0.0, RoomWait.registered())
         registrations = state.get("registrations") or {}
         if state.get("closed") or not registrations:
             return None  # not yet registered: the worker waits for decode
@@ -202,7 +202,7 @@ class KVSender:
         Each decode rank is served as soon as it registered: waiting for all of them
         first could deadlock with a rank whose ring is full of this prefill's other rooms.
         """
-        condition = {"ranks": 1} if decode_rank is None else {"decode_rank": decode_rank}
+        condition = RoomWait.registered(decode_rank)
         while True:
             wait = max(0.0, min(5.0, deadline - time.monotonic()))
             state = self.snapshot(room, wait, condition)
@@ -345,7 +345,7 @@ class KVSender:
 
     def _region(self, room: int, decode_rank: int, index: int) -> proto.SegmentRegion:
         deadline = time.monotonic() + self.transfer_timeout
-        condition = {"decode_rank": decode_rank, "segment": index}
+        condition = RoomWait.offered(decode_rank, index)
         while True:
             wait = max(0.0, min(5.0, deadline - time.monotonic()))
             state = self.snapshot(room, wait, condition)

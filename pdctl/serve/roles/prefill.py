@@ -28,7 +28,7 @@ from pdctl.serve.pd.client import Client, run_secret, warn_if_no_secret
 from pdctl.serve.pd.embeddings import EmbeddingError, EmbeddingReceiver
 from pdctl.serve.pd.endpoint import make_transport
 from pdctl.serve.pd.reports import RankReport, RankReports, combine
-from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher
+from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher, RoomWait
 from pdctl.serve.pd.sender import KVSender, Report, Snapshot
 from pdctl.serve.roles.common import build_engine, serve, server_info
 from pdctl.serve.runtime import Rank
@@ -76,7 +76,7 @@ class PrefillHooks:
         self.embeddings: EmbeddingReceiver | None = None  # set by run(): every prefill takes them
         self.sent_totals = KVSent()  # what /get_server_info reports as kv_sent
 
-    def _snapshot(self, room: int, wait: float, condition: dict[str, int]) -> dict[str, Any]:
+    def _snapshot(self, room: int, wait: float, condition: RoomWait) -> dict[str, Any]:
         return self.rooms.wait_for(room, condition, wait)
 
     def prepare(self, request: Request, pd: dict[str, Any]) -> None:
