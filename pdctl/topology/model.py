@@ -84,7 +84,8 @@ class ModelSpec(Strict):
     path: str | None = Field(
         None,
         description="Local Hugging Face checkpoint directory (config.json + *.safetensors), "
-        "relative to the topology file; for engine sglang also a hub id.",
+        "relative to the topology file; the embedded engine serves Llama (Llama 3.x RoPE "
+        "scaling included), Qwen2, Qwen3 and Mistral; for engine sglang also a hub id.",
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="auto: float32 on cpu, bfloat16 on accelerators."
