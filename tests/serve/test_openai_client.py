@@ -82,6 +82,10 @@ def test_chat_plain_and_streamed(base_url: str) -> None:
     prompt = "<|system|>\nBe brief.\n<|user|>\nHello\n<|assistant|>\n"  # the plain template
     assert plain.usage.prompt_tokens == len(prompt.encode())
     assert len(choice.logprobs.content) == 6 and len(choice.logprobs.content[0].top_logprobs) == 2
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        client.chat.completions.create(
+            model=MODEL_ID, messages=CHAT, max_tokens=2, top_logprobs=2
+        )  # as OpenAI refuses it
     chunks = list(
         client.chat.completions.create(
             model=MODEL_ID, messages=CHAT, max_tokens=6, temperature=0, stream=True,

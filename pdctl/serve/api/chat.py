@@ -80,6 +80,8 @@ def max_tokens_of(ctx: ServerContext, body: ChatBody, prompt_len: int) -> int:
 async def chat(ctx: ServerContext, body: ChatBody, http: HttpRequest) -> Response:
     ids = chat_ids(ctx, body)
     params = sampling_params(body, max_tokens_of(ctx, body, len(ids)))
+    if body.top_logprobs and not body.logprobs:  # as OpenAI answers it
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     top = (body.top_logprobs or 0) if body.logprobs else None
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     head: dict[str, Any] = {
