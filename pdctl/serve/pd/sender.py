@@ -372,10 +372,14 @@ class KVSender:
     ) -> tuple[int, int]:
         piece = layout.slices[writer]
         peer = self._peer(reg)
-        if not job.faults.corrupt_kv:  # (fault injection goes by descriptors, below)
-            mapped = self._mapped_write(room, pages, reg, layout, writer, peer)
-            if mapped is not None:
-                return mapped, 0
+        # Where the transport maps decode's pool here: pages and digests in one launch,
+        # then the notification alone (fault injection goes by descriptors, below).
+        mapped = None if job.faults.corrupt_kv else self.mapped.start(
+            room, pages, reg, layout, writer, peer
+        )  # fmt: skip
+        if mapped is not None:
+            self.mapped.finish(mapped)
+            return mapped.nbytes, 0
         src, dst, lengths = direct_descriptors(
             self.kv_bases,
             [address for pair in reg.kv_bases for address in pair],
@@ -412,23 +416,6 @@ class KVSender:
             self.transport.write(peer, src, dst, lengths)
             self._corrupt_remote(peer, int(src[0]), int(dst[0]), message())
         return nbytes, 0
-
-    def _mapped_write(
-        self,
-        room: int,
-        pages: list[int],
-        reg: proto.Registration,
-        layout: StagingLayout,
-        writer: int,
-        peer: Peer,
-    ) -> int | None:
-        """Where the transport maps decode's pool here: the pages and their digests in
-        one launch, then the notification alone (None: not mapped, use descriptors)."""
-        started = self.mapped.start(room, pages, reg, layout, writer, peer)
-        if started is None:
-            return None
-        self.mapped.finish(started)
-        return started.nbytes
 
     def _corrupt_remote(self, peer: Peer, src: int, dst: int, notify: bytes) -> None:
         """Overwrite the byte at `dst` with the byte at `src` (just sent there) flipped."""
