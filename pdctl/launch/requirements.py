@@ -6,13 +6,17 @@ GPUs or free memory, a NIXL topology without NIXL or its UCX plugin, Mooncake wi
 MC_USE_TENT=1 on a build without TENT. Modules are looked up without importing
 them; devices, free memory and capabilities come from `pdctl doctor --json`, run
 in a subprocess (once, and only when a topology needs them), so the CLI itself
-never imports torch.
+never imports torch. A topology that needs CUDA devices and no capability asks
+`nvidia-smi` instead where it is installed (a fraction of a second; doctor imports
+torch and probes every transport, seconds on a slow host before anything starts).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 from functools import lru_cache
@@ -57,6 +61,42 @@ def machine() -> dict[str, Any]:
     return data
 
 
+def cuda_devices(visible: str | None = None) -> dict[str, Any] | None:
+    """CUDA device count and free memory from `nvidia-smi`, as doctor reports them (the
+    devices CUDA_VISIBLE_DEVICES shows, in its order); None where nvidia-smi is missing,
+    fails, or the mask names devices by UUID (doctor then answers)."""
+    tool = shutil.which("nvidia-smi")
+    if tool is None:
+        return None
+    try:
+        result = subprocess.run(
+            [tool, "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        free: dict[int, float] = {}
+        for line in result.stdout.strip().splitlines():
+            number, mib = (part.strip() for part in line.split(","))
+            free[int(number)] = round(float(mib) / 1024, 2)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    if mask is not None:
+        try:
+            order = [int(part) for part in mask.split(",") if part.strip()]
+        except ValueError:  # UUIDs or MIG names: leave them to CUDA itself
+            return None
+        shown = []
+        for index in order:
+            if index not in free:
+                break  # CUDA stops at the first device it cannot find
+            shown.append(free[index])
+    else:
+        shown = [free[index] for index in sorted(free)]
+    if not shown:
+        return None  # let doctor say what CUDA itself sees
+    return {"devices": {"cuda": len(shown)}, "device_memory_free_gb": {"cuda": shown}}
+
+
 def unmet(requirements: Requirements) -> list[str]:
     """What this machine lacks, each with the topology's reason for needing it."""
     problems = []
@@ -68,7 +108,8 @@ def unmet(requirements: Requirements) -> list[str]:
     needs_probe = (kind != "cpu" and count) or requirements.capabilities
     if not needs_probe:
         return problems
-    found = machine()
+    quick = cuda_devices() if kind == "cuda" and not requirements.capabilities else None
+    found = quick if quick is not None else machine()
     if kind != "cpu" and count:
         have = int(found.get("devices", {}).get(kind, 0))
         if have < count:
