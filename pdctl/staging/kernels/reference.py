@@ -1,8 +1,7 @@
 """The torch kernel backend: runs on every device torch supports (CPU, NPU, ...).
 
 It is also the fallback where Triton has no backend. Rows are selected with
-`index_select` / `index_copy_` (on the CPU scatters assign whole rows through numpy,
-split over torch's threads: `put_rows`) over views chosen so that each copied chunk is as
+`index_select` / `index_copy_` over views chosen so that each copied chunk is as
 large and contiguous as the layout allows (see `_plan`): whole pages when every
 column of a row is copied, one row of a [pool_tokens * groups, k] view when the
 columns are an aligned head group, which takes torch's row-copy fast path instead
@@ -12,7 +11,6 @@ of an element-wise strided loop.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -125,33 +123,4 @@ class TorchKernels(KernelBackend):
     ) -> None:
         views, index, source = _plan(buffers, staging, pages, page_size, col_start)
         for i, view in enumerate(views):
-            if view.device.type == "cpu":
-                put_rows(view, index, source[i])
-            else:
-                view.index_copy_(0, index, source[i])
-
-
-# CPU scatters: numpy's row assignment copies each row whole (torch's CPU index_copy_
-# walks it element by element, 2-4x slower on one core) and runs without the GIL, so
-# the rows split over the threads torch may use. Rows are distinct (the page checks
-# refuse a page named twice), so the split cannot change a byte.
-MIN_ROWS_PER_THREAD = 2048
-_POOL = ThreadPoolExecutor(8, thread_name_prefix="pdctl-scatter")  # threads start on use
-
-
-def put_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    """target[index[i]] = rows[i] for every i, on host integer views."""
-    into, at, values = target.numpy(), index.numpy(), rows.numpy()
-    threads = min(torch.get_num_threads(), len(at) // MIN_ROWS_PER_THREAD, 8)
-    if threads <= 1:
-        into[at] = values
-        return
-    bounds = [len(at) * part // threads for part in range(threads + 1)]
-
-    def part(k: int) -> None:
-        into[at[bounds[k] : bounds[k + 1]]] = values[bounds[k] : bounds[k + 1]]
-
-    futures = [_POOL.submit(part, k) for k in range(1, threads)]
-    part(0)
-    for future in futures:
-        future.result()
+            view.index_copy_(0, index, source[i])
