@@ -115,15 +115,15 @@ def render(report: dict[str, Any]) -> None:
         )  # fmt: skip
     console.out.print(table)
     memory = Table(title=f"RSS per process (request {_warm(report)} -> end)")
-    for column in ("transport", "server", "process", "pid", "MiB warm", "MiB end", "growth %"):
-        memory.add_column(
-            column, justify="left" if column in ("transport", "server", "process") else "right"
-        )
+    left = ("transport", "server", "process")
+    for column in (*left, "pid", "MiB warm", "MiB end", "growth %", "threads"):
+        memory.add_column(column, justify="left" if column in left else "right")
     for row in report["rows"]:
         for p in row["rss"]:
+            threads = f"{p['threads_warm']} -> {p['threads_end']}"
             memory.add_row(row["transport"], p["server"], _short(p["title"]), str(p["pid"]),
                            f"{p['rss_warm_mib']:.1f}", f"{p['rss_end_mib']:.1f}",
-                           f"{p['growth_pct']:.2f}")  # fmt: skip
+                           f"{p['growth_pct']:.2f}", threads)  # fmt: skip
     console.out.print(memory)
     for backend, reason in report["skipped"].items():
         console.warning(f"{backend} not run: {reason}")

@@ -1,4 +1,4 @@
-"""Resident memory of a run's processes, one figure per PID, read from /proc.
+"""Resident memory (and threads) of a run's processes, one figure per PID, from /proc.
 
 A server is a process group (rank 0 and, with TP > 1, the ranks it spawned, plus
 any helper of theirs); each member is sampled on its own, so a leak in one TP rank
@@ -21,6 +21,7 @@ class ProcessRss:
     pid: int
     title: str  # pdctl:<topology>:<role>:tp<rank>, or the command name of a helper
     rss_kib: int
+    threads: int = 0  # a pool that grew under load shows here (each thread has a stack)
 
 
 def _title(pid: int) -> str:
@@ -39,16 +40,20 @@ def _title(pid: int) -> str:
         return first or "?"
 
 
-def vm_rss_kib(pid: int) -> int | None:
-    """VmRSS of `pid` in KiB; None when it is gone (or a kernel thread)."""
+def status(pid: int) -> tuple[int, int] | None:
+    """(VmRSS in KiB, threads) of `pid`; None when it is gone (or a kernel thread)."""
+    fields: dict[str, int] = {}
     try:
         with open(f"/proc/{pid}/status") as handle:
             for line in handle:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "Threads"):
+                    fields[key] = int(value.split()[0])
+    except (OSError, ValueError, IndexError):
         return None
-    return None
+    if "VmRSS" not in fields:
+        return None
+    return fields["VmRSS"], fields.get("Threads", 0)
 
 
 def sample(groups: dict[str, int]) -> list[ProcessRss]:
@@ -56,9 +61,9 @@ def sample(groups: dict[str, int]) -> list[ProcessRss]:
     found = []
     for server, pgid in groups.items():
         for pid in sorted(group_members(pgid)):
-            rss = vm_rss_kib(pid)
-            if rss is not None:
-                found.append(ProcessRss(server, pid, _title(pid), rss))
+            read = status(pid)
+            if read is not None:
+                found.append(ProcessRss(server, pid, _title(pid), read[0], read[1]))
     return found
 
 
@@ -84,6 +89,8 @@ def growth(
                 "rss_warm_mib": round(first.rss_kib / 1024, 1),
                 "rss_end_mib": round(last.rss_kib / 1024, 1),
                 "growth_pct": pct,
+                "threads_warm": first.threads,
+                "threads_end": last.threads,
             }
         )
         if pct >= limit_pct:

@@ -97,6 +97,7 @@ def soak_one(
     _, _, rings_start = run.pools_back()
     order = random.Random(seed).choices(range(len(prompts)), k=requests)
     samples: dict[str, list[rss.ProcessRss]] = {}
+    trace: list[tuple[int, list[rss.ProcessRss]]] = []  # every tenth: leak or high water?
 
     def on_done(done: int) -> None:
         if done == warmup:
@@ -104,8 +105,10 @@ def soak_one(
             progress(f"  {done}/{requests} done: RSS sampled (warm-up)")
         elif done % max(1, requests // 10) == 0 and done < requests:
             progress(f"  {done}/{requests} done")
+        if done % max(1, requests // 10) == 0 or done in (warmup, requests):
+            trace.append((done, rss.sample(_groups(run))))
         if done == requests:
-            samples["end"] = rss.sample(_groups(run))
+            samples["end"] = trace[-1][1]
 
     progress(f"  {requests} requests, {concurrency} in flight, {unique} distinct prompts")
     load = Load(url, prompts, order, concurrency=concurrency, new_tokens=new_tokens,
@@ -114,8 +117,10 @@ def soak_one(
     load.start()
     try:
         load.wait(run.check_exits)
-    finally:
-        load.close(grace=timeout)
+    except BaseException:  # Ctrl-C, a dead server: the run's owner stops the servers now,
+        load.close(grace=0)  # which ends the requests in flight; no wait for them here
+        raise
+    load.close(grace=timeout)
     wall = time.perf_counter() - started
     if load.callback_error is not None:
         raise load.callback_error
@@ -125,6 +130,7 @@ def soak_one(
     pools_ok, held, rings_end = run.pools_back()
     row.update(pools_back=pools_ok, held=held, ring_wraps=_wraps(rings_start, rings_end))
     row.update(_memory(samples, warmup, requests, rss_limit_pct))
+    _add_trace(row["rss"], trace)
     row["passed"] = (
         row["failed"] == 0 and row["mismatches"] == 0 and pools_ok and not row["rss_problems"]
     )
@@ -178,6 +184,18 @@ def _memory(
         "rss_max_growth_pct": max((float(r["growth_pct"]) for r in rows), default=None),
         "rss_problems": problems,
     }
+
+
+def _add_trace(rows: list[dict[str, Any]], trace: list[tuple[int, list[rss.ProcessRss]]]) -> None:
+    """Each process's RSS (MiB) at every tenth of the load: a leak climbs all the way,
+    a high-water mark (the largest batch so far) steps up and stays."""
+    for row in rows:
+        row["trace_mib"] = {
+            done: round(p.rss_kib / 1024, 1)
+            for done, found in trace
+            for p in found
+            if p.pid == row["pid"]
+        }
 
 
 def _wraps(start: dict[str, Any], end: dict[str, Any]) -> dict[str, int]:

@@ -5,8 +5,16 @@ soak passes or fails: nothing lost, a corrupted transfer, an answer that differs
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 from pdctl.cli.app import app
+from pdctl.launch.processes import group_alive
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def soak(cli, *args: str):
@@ -33,7 +41,9 @@ def test_soak_of_the_default_topology(cli) -> None:
     assert titles == ["decode:tp0", "decode:tp1", "prefill:tp0", "router:tp0"], row["rss"]
     for process in row["rss"]:
         assert process["rss_warm_mib"] > 10 and process["rss_end_mib"] > 10, process
+        assert process["threads_warm"] >= 1 and process["threads_end"] >= 1, process
         assert process["growth_pct"] < 15
+        assert list(process["trace_mib"]) == [str(n) for n in range(20, 201, 20)]  # tenths
 
 
 def test_soak_of_mooncake_and_nixl(cli) -> None:
@@ -77,3 +87,33 @@ def test_soak_rejects_a_warmup_past_the_requests(cli) -> None:
     result = soak(cli, "--requests", "10", "--warmup", "20", "--backends", "tcp")
     assert result.exit_code == 2
     assert "--warmup 20 is more than --requests 10" in result.stderr
+
+
+def test_ctrl_c_mid_soak_tears_the_topology_down(tmp_path) -> None:
+    """SIGINT while requests are in flight: pdctl exits 130 and no process of the run is
+    left (the run's own record names their process groups)."""
+    env = {**os.environ, "PDCTL_STATE_DIR": str(tmp_path / "state"), "NO_COLOR": "1"}
+    argv = [sys.executable, "-m", "pdctl", "bench", "soak", "--requests", "100000",
+            "--concurrency", "8", "--backends", "tcp"]  # fmt: skip
+    child = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert child.stderr is not None
+        seen = []
+        for line in child.stderr:  # ends when the child does
+            seen.append(line)
+            if "in flight" in line:
+                break
+        assert any("in flight" in line for line in seen), "".join(seen)
+        (record,) = (tmp_path / "state" / "runs").glob("*.json")
+        groups = [p["pgid"] for p in json.loads(record.read_text())["processes"]]
+        assert len(groups) == 3  # prefill, decode, router
+        child.send_signal(signal.SIGINT)
+        rest = child.stderr.read()
+        assert child.wait(timeout=120) == 130, rest
+        assert "interrupted" in rest
+        assert not any(group_alive(pgid) for pgid in groups)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
