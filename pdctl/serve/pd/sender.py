@@ -130,20 +130,27 @@ class KVSender:
         registrations = state.get("registrations") or {}
         if state.get("closed") or not registrations:
             return None  # not yet registered: the worker waits for decode
+        decode_tp = proto.Registration.from_json(next(iter(registrations.values()))).decode_tp
+        ready = []  # decode ranks registered, direct, their transport connected before
+        for decode_rank, layout, writer in self._targets(decode_tp):
+            data = registrations.get(str(decode_rank))
+            reg = None if data is None else proto.Registration.from_json(data)
+            with self.peers_lock:
+                peer = None if reg is None else self.peers.get(reg.transport)
+            if reg is not None and reg.mode == "direct" and peer is not None:
+                ready.append((decode_rank, layout, writer, reg, peer))
+        # decode registered: the room's faults are drawn now, once (the worker keeps them)
         job = RoomJob(RoomFaults.for_prefill(self.bootstrap_timeout + self.transfer_timeout + 2))
         if job.faults.corrupt_kv or job.faults.delay_s is not None:
             return job  # faults go the worker's way
-        decode_tp = proto.Registration.from_json(next(iter(registrations.values()))).decode_tp
-        for decode_rank, layout, writer in self._targets(decode_tp):
-            data = registrations.get(str(decode_rank))
-            if data is None:
+        for decode_rank, layout, writer, reg, peer in ready:
+            try:
+                started = self.mapped.start(room, pages, reg, layout, writer, peer)
+            except Exception:  # the worker writes this rank by descriptors and reports
+                log.exception(
+                    "room %s: decode rank %s: the mapped write did not start", room, decode_rank
+                )
                 continue
-            reg = proto.Registration.from_json(data)
-            with self.peers_lock:
-                peer = self.peers.get(reg.transport)  # connected before: nothing blocks here
-            if reg.mode != "direct" or peer is None:
-                continue
-            started = self.mapped.start(room, pages, reg, layout, writer, peer)
             if started is not None:
                 job.early[decode_rank] = started
         if job.early and not self._said_early:
