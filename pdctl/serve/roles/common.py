@@ -68,6 +68,13 @@ def graphs_info(rank: Rank) -> dict[str, Any]:
 GRACE_S = 2
 
 
+# An idle HTTP connection stays open this long; the router's pooled client lets its
+# own go sooner (router/app.py CLIENT_KEEP_ALIVE_S). With both at 5 s, as uvicorn's and
+# httpx's defaults are, the router could reuse a connection a server was closing that
+# instant: "connection reset by peer" (one request of 10,000 in the nixl soak at 64).
+KEEP_ALIVE_S = 30
+
+
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:  # signals are handled once for all servers
@@ -84,7 +91,7 @@ def run_servers(apps: list[tuple[FastAPI, str, int]]) -> None:
         _Server(
             uvicorn.Config(
                 app, host=host, port=port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=GRACE_S,
+                timeout_graceful_shutdown=GRACE_S, timeout_keep_alive=KEEP_ALIVE_S,
             )
         )
         for app, host, port in apps

@@ -32,6 +32,8 @@ from pdctl.serve.router.forward import (
 )
 from pdctl.serve.router.workers import RouterState, check_health
 
+CLIENT_KEEP_ALIVE_S = 10  # under the servers' 30 s (roles/common.py KEEP_ALIVE_S)
+
 FORWARDED = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
@@ -143,7 +145,9 @@ def add_own(app: FastAPI, state: RouterState) -> None:
 
 
 def create_router_app(state: RouterState) -> FastAPI:
-    client = httpx.AsyncClient(timeout=state.timeout)
+    client = httpx.AsyncClient(  # idle connections closed before the servers close them
+        timeout=state.timeout, limits=httpx.Limits(keepalive_expiry=CLIENT_KEEP_ALIVE_S)
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
