@@ -296,11 +296,7 @@ def start_page_digests(
     _check_heads(head_start, num_heads, info, "source")
     name = _backend_for(info, backend)
     pages = checked_pages(page_indices, page_size, info)
-    for start, count in segments:
-        if start < 0 or count < 1 or start + count > pages.numel():
-            raise ValueError(
-                f"segment of pages [{start}, {start + count}) is outside the {pages.numel()} pages"
-            )
+    check_segments(segments, pages.numel())
     head_bytes = info.head_dim * info.elem_bytes
     if name == "triton" and kvset.max_word >= 4 and head_bytes % 4 == 0 and segments:
         from pdctl.staging.kernels.digests import PageRows, launch_page_digest_sums
@@ -327,6 +323,15 @@ def start_page_digests(
         )  # fmt: skip
         digests.append(block_digests(scratch, info.num_layers, backend=name))
     return PendingDigests(None, [], 2 * info.num_layers, ready=digests)
+
+
+def check_segments(segments: Sequence[tuple[int, int]], num_pages: int) -> None:
+    """Every (page_start, num_pages) segment inside a list of `num_pages` pages."""
+    for start, count in segments:
+        if start < 0 or count < 1 or start + count > num_pages:
+            raise ValueError(
+                f"segment of pages [{start}, {start + count}) is outside the {num_pages} pages"
+            )
 
 
 def _digest_scratch(device: torch.device, nbytes: int) -> torch.Tensor:

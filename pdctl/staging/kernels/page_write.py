@@ -32,6 +32,7 @@ from pdctl.staging.kernels import (
     _backend_for,
     _check_heads,
     _check_host_pages,
+    check_segments,
     prepare_kv,
     start_page_digests,
 )
@@ -145,6 +146,7 @@ def start_page_write(
     dst_pages = _page_ids(target.pages, checked.num_pages)
     if len(dst_pages) != len(pages):
         raise ValueError(f"the target names {len(dst_pages)} pages for the source's {len(pages)}")
+    check_segments(segments, len(pages))
     head_bytes = info.head_dim * info.elem_bytes
     name = _backend_for(info, backend)
     if name == "triton" and kvset.max_word >= 4 and head_bytes % 4 == 0 and segments:
@@ -176,11 +178,6 @@ def _launch(
     pages, dst_pages = page_lists
     from pdctl.staging.kernels.digests import PageRows, launch_page_digest_sums
 
-    for start, count in segments:
-        if start < 0 or count < 1 or start + count > len(pages):
-            raise ValueError(
-                f"segment of pages [{start}, {start + count}) is outside the {len(pages)} pages"
-            )
     source = PageRows(
         _DIGEST_TABLES.get(views), pages, views[0].shape[1], col_starts[0], _ALIGNED.get(views)
     )
