@@ -215,9 +215,10 @@ def worker_loop(group: TPGroup, forward: Callable[[Sequence[Piece]], object]) ->
 
 
 def watch_ranks(
-    children: list[subprocess.Popen[bytes]], on_death: Callable[[str], None]
+    children: list[subprocess.Popen[bytes]], server: str, on_death: Callable[[str], None]
 ) -> threading.Thread:
-    """Fail fast: when a rank exits, report which and how."""
+    """Fail fast: when a rank exits, report which (`server` rank N, as the transport
+    endpoints are named) and how."""
 
     def watch() -> None:
         import time
@@ -227,7 +228,7 @@ def watch_ranks(
                 code = child.poll()
                 if code is not None:
                     how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                    on_death(f"TP rank {rank} (pid {child.pid}) ended with {how}")
+                    on_death(f"{server} rank {rank} (pid {child.pid}) ended with {how}")
                     return
             time.sleep(0.2)
 

@@ -89,6 +89,8 @@ class Engine:
     # -- called from other threads ---------------------------------------------------
     def submit(self, request: Request) -> None:
         self._inbox.put(("submit", request))
+        if self.failed is not None:  # no loop may take it now; a second answer is ignored
+            request.sink(Event(request.rid, error=f"engine failed: {self.failed}"))
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
@@ -106,6 +108,17 @@ class Engine:
         if self._worker is not None:
             self._worker.shutdown(wait=False)
 
+    def fail(self, message: str) -> None:
+        """The engine cannot compute any more (a TP rank died): answer every request in
+        it now with `message` (any thread; sinks are thread-safe), refuse new ones and
+        end the loop. The first failure recorded is the one reported."""
+        if self.failed is None:
+            self.failed = message
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            request.sink(Event(request.rid, error=f"engine failed: {self.failed}"))
+        self._stop.set()
+        self._inbox.put(("wake", None))
+
     @property
     def alive(self) -> bool:
         return self.thread.is_alive() and self.failed is None
@@ -121,9 +134,7 @@ class Engine:
                 self._step()
         except Exception as exc:  # the engine is dead: fail everything, report unhealthy
             log.exception("scheduler thread failed")
-            self.failed = f"{type(exc).__name__}: {exc}"
-            for request in [*self.scheduler.running, *self.scheduler.waiting]:
-                request.sink(Event(request.rid, error=f"engine failed: {self.failed}"))
+            self.fail(f"{type(exc).__name__}: {exc}")
 
     def _drain(self, block: bool) -> None:
         try:
@@ -153,6 +164,9 @@ class Engine:
 
     def _accept(self, request: Request) -> None:
         faults().request_arrived()  # fault injection (kill-role); off unless asked for
+        if self.failed is not None:
+            request.sink(Event(request.rid, error=f"engine failed: {self.failed}"))
+            return
         problem = self.scheduler.admission_problem(request)
         if problem:
             request.sink(Event(request.rid, error=problem))

@@ -122,11 +122,15 @@ def serve(
     if rank.children:
 
         def died(message: str) -> None:
-            log.error("%s; this server cannot compute any more and exits", message)
-            context.engine.failed = message
+            message = f"{message}; this server cannot compute any more and exits"
+            log.error("%s", message)
+            # its requests are answered with the cause before the server stops, not
+            # cancelled by the shutdown (a bare 500 naming nothing)
+            context.engine.fail(message)
             os.kill(os.getpid(), signal.SIGTERM)
 
-        tensor_parallel.watch_ranks(rank.children, died)
+        server = f"{rank.args.role}-{rank.args.replica}"
+        tensor_parallel.watch_ranks(rank.children, server, died)
     try:
         run_servers(apps)
     finally:
