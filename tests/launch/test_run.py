@@ -55,6 +55,11 @@ def test_default_topology_serves_then_leaves_nothing(
         left = run.stop()
     assert left == []
     assert not any(group_alive(pgid) for pgid in pgids)
+    # a stop is not a death: decode's rank 1 ending with the group's SIGTERM is no error,
+    # and the servers end without a second signal's forced exit (a lifespan traceback)
+    for log in run.dir.glob("*.log"):
+        text = log.read_text()
+        assert "ERROR" not in text and "Traceback" not in text, (log.name, text[-2000:])
 
 
 def test_a_role_that_crashes_at_startup_fails_fast_with_its_log(

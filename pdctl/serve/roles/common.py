@@ -75,6 +75,14 @@ GRACE_S = 2
 KEEP_ALIVE_S = 30
 
 
+# Set once this server was told to stop (SIGTERM / SIGINT): ranks ending after it are
+# the stop itself (a launcher signals the whole process group), not a death.
+STOPPING = threading.Event()
+# How long a rank's end waits for that signal before it counts as a death: the ranks of
+# one group get the signal together and a child may be reaped before rank 0 handles it.
+STOP_RACE_S = 0.5
+
+
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:  # signals are handled once for all servers
@@ -98,6 +106,7 @@ def run_servers(apps: list[tuple[FastAPI, str, int]]) -> None:
     ]  # fmt: skip
 
     def stop(*_: object) -> None:
+        STOPPING.set()
         for server in servers:
             if server.should_exit:
                 server.force_exit = True
@@ -122,6 +131,9 @@ def serve(
     if rank.children:
 
         def died(message: str) -> None:
+            if STOPPING.wait(STOP_RACE_S):
+                log.info("%s as this server stops", message)
+                return
             message = f"{message}; this server cannot compute any more and exits"
             log.error("%s", message)
             # its requests are answered with the cause before the server stops, not
