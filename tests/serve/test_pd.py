@@ -11,12 +11,14 @@ import concurrent.futures
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from tests.polling import wait_until
 from tests.serve.conftest import Server, start_server
 from tests.serve.pd_cluster import MODEL, PDCluster, pd_cluster, post
 
@@ -158,6 +160,45 @@ def test_router_streams_completions_and_reports(reference: dict[str, list[int]])
         assert info["ready"] and len(info["prefill"]) == 2 and len(info["decode"]) == 2
         metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
         assert "pdctl_router_requests_total 6" in metrics
+        cluster.pools_full()
+
+
+def router_workers(cluster: PDCluster) -> list[dict]:
+    sides = httpx.get(f"{cluster.url}/get_server_info", timeout=5).json()
+    return [*sides["prefill"], *sides["decode"]]
+
+
+def test_router_admits_what_the_servers_admit(reference: dict[str, list[int]]) -> None:
+    """Servers that admit two requests each, a burst of twelve through the router: the
+    router learns the two, holds the rest, and the servers never see a third (each
+    admitting its own first two of more could pick different ones and wait on each
+    other until the bootstrap timeout)."""
+    limit = ("--max-running-requests", "2")
+    with pd_cluster(backend="tcp", prefill_extra=limit, decode_extra=limit) as cluster:
+        learnt = lambda: all(w["capacity"] == 2 for w in router_workers(cluster))  # noqa: E731
+        wait_until(learnt, 30, "the router to learn what its workers admit")
+        seen: list[int] = []
+        done = threading.Event()
+
+        def watch() -> None:  # what each server and the router hold, while the burst runs
+            while not done.is_set():
+                for server in cluster.prefill + cluster.decode:
+                    info = server.info()
+                    seen.append(info["running_requests"] + info["waiting_requests"])
+                seen.extend(w["in_flight"] for w in router_workers(cluster))
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(12)]
+            with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                results = list(pool.map(lambda p: generate(cluster, p), prompts))
+        finally:
+            done.set()
+            watcher.join()
+        for prompt, result in zip(prompts, results, strict=True):
+            assert result["output_ids"] == reference[json.dumps(prompt)]
+        assert seen and 0 < max(seen) <= 2, seen
         cluster.pools_full()
 
 

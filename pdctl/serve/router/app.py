@@ -127,9 +127,9 @@ def add_own(app: FastAPI, state: RouterState) -> None:
     async def server_info() -> dict[str, Any]:
         return {
             "role": "router",
-            "prefill": [vars(w) for w in state.prefill],
-            "decode": [vars(w) for w in state.decode],
-            "encoder": [vars(w) for w in state.encoder],
+            "prefill": [w.to_json() for w in state.prefill],
+            "decode": [w.to_json() for w in state.decode],
+            "encoder": [w.to_json() for w in state.encoder],
             "ready": state.ready,
             "stats": dict(state.counters),
         }

@@ -138,6 +138,18 @@ async def route_one(
     state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any]
 ) -> Any:
     prefill, decode = state.pick()
+    async with prefill.slot(), decode.slot():  # prefill's first, always (workers.py)
+        return await _route_one(client, state, path, body, prefill, decode)
+
+
+async def _route_one(
+    client: httpx.AsyncClient,
+    state: RouterState,
+    path: str,
+    body: dict[str, Any],
+    prefill: Worker,
+    decode: Worker,
+) -> Any:
     body, embedding = await _encode(state, client, path, body, prefill)
     routed = _with_bootstrap({**body, "stream": False}, prefill)
     prefill_task = asyncio.create_task(_post(client, prefill, path, routed))
@@ -170,6 +182,19 @@ async def route_stream(
     state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any]
 ) -> AsyncIterator[bytes]:
     prefill, decode = state.pick()
+    async with prefill.slot(), decode.slot():  # prefill's first, always (workers.py)
+        async for chunk in _route_stream(client, state, path, body, prefill, decode):
+            yield chunk
+
+
+async def _route_stream(
+    client: httpx.AsyncClient,
+    state: RouterState,
+    path: str,
+    body: dict[str, Any],
+    prefill: Worker,
+    decode: Worker,
+) -> AsyncIterator[bytes]:
     try:
         body, _ = await _encode(state, client, path, body, prefill)
     except SideFailed as exc:

@@ -2,12 +2,23 @@
 routes to, picked round-robin among the healthy ones, and the loop that asks each its
 /health. The router is ready only once every side has a healthy worker (a router that
 says healthy before any worker is ready is a known trap).
+
+A PD request holds a slot on its prefill and on its decode server while it is
+forwarded (prefill's first: one order for every request, so no two wait on each other),
+as many slots as the server admits (`max_running_requests`, asked once it is healthy).
+More requests than that wait here, not on the servers: a prefill and a decode server
+each admitting its own first N of more than N requests admit different requests, each
+holding what the other side's requests wait for (decode's pages and ring regions,
+prefill's running slots), until the bootstrap timeout fails them (seen in the soak at
+concurrency 64 against 32 slots).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -21,10 +32,34 @@ class Worker:
     bootstrap_port: int | None = None
     healthy: bool = False
     last_error: str = "not checked yet"
+    capacity: int | None = None  # requests it admits at once (None: not known yet)
+    in_flight: int = 0
+    _slots: asyncio.Semaphore | None = field(default=None, repr=False, compare=False)
 
     @property
     def host(self) -> str:
         return urlsplit(self.url).hostname or "127.0.0.1"
+
+    def set_capacity(self, capacity: int) -> None:
+        if self.capacity is None and capacity > 0:
+            self.capacity, self._slots = capacity, asyncio.Semaphore(capacity)
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold one of the worker's admission slots (none to take while it is unknown)."""
+        slots = self._slots
+        if slots is not None:
+            await slots.acquire()
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if slots is not None:
+                slots.release()
+
+    def to_json(self) -> dict[str, object]:
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
 
 @dataclass
@@ -82,9 +117,24 @@ async def check_health(state: RouterState, interval: float = 0.5) -> None:
                     worker.last_error = (
                         "" if worker.healthy else f"/health answered {response.status_code}"
                     )
+                    if worker.healthy and worker.capacity is None:
+                        await _learn_capacity(probe, worker)
                 except httpx.HTTPError as exc:
                     worker.healthy = False
                     worker.last_error = (
                         f"{type(exc).__name__}: {exc}" if str(exc) else (type(exc).__name__)
                     )
             await asyncio.sleep(interval)
+
+
+async def _learn_capacity(probe: httpx.AsyncClient, worker: Worker) -> None:
+    """The worker's max_running_requests from its /get_server_info (pdctl's servers and
+    SGLang's report it); a server that does not is forwarded to without a limit."""
+    try:
+        response = await probe.get(f"{worker.url}/get_server_info")
+    except httpx.HTTPError:
+        return  # asked again at the next check
+    with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
+        worker.set_capacity(int(response.json()["max_running_requests"]))
+    if worker.capacity is None:
+        worker.capacity = 0  # asked once: it reports none
