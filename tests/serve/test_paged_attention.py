@@ -322,3 +322,33 @@ def test_the_model_is_invariant_with_each_implementation(name, monkeypatch) -> N
     assert torch.equal(chunked[-1], whole)
     assert torch.equal(hit[-1], whole)
     assert torch.equal(decode[-1], whole)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_torch_tile_buckets_skip_future_blocks_bitwise(monkeypatch, window) -> None:
+    """A prompt of 700 from position 0 with a decode piece beside it: its tiles go in
+    several buckets, each up to the last key block one of its tiles may see, and give
+    bitwise what one bucket over every block gives."""
+    shape = SHAPES[0]
+    pool = make_pool(shape, torch.float32, seed=3)
+    long, short = make_sequence(pool, shape, 700, 1), make_sequence(pool, shape, 90, 2)
+    parts = [(long, long.piece(0, 700)), (short, short.piece(89, 1))]
+    batch = ForwardBatch.build([p for _, p in parts], torch.device("cpu"))
+    buckets = attention.tile_buckets(batch.keys)
+    assert len(buckets) > 1
+    covered = []
+    for tiles, blocks in buckets:
+        assert tiles is not None
+        for tile in tiles.tolist():  # no tile computes fewer blocks than it may see
+            last = min(int(batch.keys.tile_positions[tile]) + 15, 699 if tile < 44 else 89)
+            assert blocks >= last // attention.KEY_BLOCK + 1
+            covered.append(tile)
+    assert sorted(covered) == list(range(batch.keys.num_tiles))
+    assert buckets[-1][1] < buckets[0][1]  # the early tiles stop short of the last block
+    split = run(attention.paged_attention_reference, pool, parts, window)
+    monkeypatch.setattr(attention, "BUCKET_COST", 10**9)  # one bucket, every block
+    assert len(attention.tile_buckets(batch.keys)) == 1
+    whole = run(attention.paged_attention_reference, pool, parts, window)
+    for a, b in zip(split, whole, strict=True):
+        assert torch.equal(a, b)
+    assert torch.allclose(split[0].double(), exact(pool, long, 0, 700, window), atol=1e-4)

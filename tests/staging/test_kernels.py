@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdctl.staging.kernels import gather_all_layers_to_staging, scatter_staging_to_kv
+from pdctl.staging.kernels import gather_all_layers_to_staging, reference, scatter_staging_to_kv
 from pdctl.staging.layout import head_slices
 from tests.staging.kv_factory import as_bits, naive_gather, random_kv, random_pages
 
@@ -80,6 +80,28 @@ TRITON_GRID = [
 @pytest.mark.parametrize(("page_size", "layers", "split", "dtype"), TRITON_GRID)
 def test_triton_backend_is_bitwise(page_size, layers, split, dtype) -> None:
     run_case("triton", layers, page_size, split, dtype, seed=page_size * 11 + layers)
+
+
+@pytest.mark.parametrize("parallel_bytes", [0, 1 << 40])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_torch_scatter_paths_are_bitwise(monkeypatch, page_size, split, dtype, parallel_bytes):
+    """The CPU's numpy scatter split over threads (every part a thread's) and in one
+    part, and index_copy_ over words (other devices' path), each against the reference."""
+    monkeypatch.setattr(reference, "PARALLEL_BYTES", parallel_bytes)
+    run_case("torch", 3, page_size, split, dtype, seed=7)
+    monkeypatch.setattr(reference, "NUMPY_SCATTER", False)
+    run_case("torch", 3, page_size, split, dtype, seed=8)
+
+
+def test_words_are_the_widest_that_every_tensor_allows() -> None:
+    rows = torch.zeros(6, 8, dtype=torch.bfloat16)  # 16-byte rows
+    assert [t.dtype for t in reference._as_words(rows, rows[:, :4])] == [torch.int64] * 2
+    assert [t.dtype for t in reference._as_words(rows, rows[:, 2:4])] == [torch.int32] * 2
+    odd = rows[:, 1:4]  # 6 bytes, at an odd offset: no word fits, nothing is widened
+    assert [t.dtype for t in reference._as_words(rows, odd)] == [torch.bfloat16] * 2
+    assert reference._as_words(torch.zeros(4, 2, dtype=torch.float64))[0].dtype == torch.float64
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -67,18 +67,81 @@ def paged_attention_reference(
     """The torch path of `paged_attention` (same signature), batched over query tiles.
 
     Every product has one shape whatever the batch (a tile's G*QUERY_BLOCK query rows
-    against one KEY_BLOCK of keys); only the number of products changes.
+    against one KEY_BLOCK of keys); only the number of products changes. Tiles are
+    computed in buckets (`tile_buckets`), each up to the last key block one of its
+    tiles may see, not the batch's longest piece: a prompt's early tiles skip the key
+    blocks in their future (exact zeros either way, see the module's docstring).
     """
+    rows, heads, dim = q.shape
+    result = q.new_zeros((rows + 1, heads, dim))  # [rows + 1, Hq, D]: masked tile rows land last
+    for tiles, blocks in tile_buckets(keys):
+        out, target = _attend_tiles(q, k_buffer, v_buffer, keys, tiles, blocks, scale, window)
+        result.index_copy_(0, target, out)
+    return result[:rows]
+
+
+# A bucket more costs about this many tile x key-block products (its dozen launches on
+# the host); a bucket is split off only where it saves more than that.
+BUCKET_COST = 8
+
+
+def tile_buckets(keys: KeyTable) -> list[tuple[torch.Tensor | None, int]]:
+    """(tile indices, key blocks) per bucket; (None, all blocks) when one bucket serves.
+
+    A tile may see keys up to its last query's position (tiles never straddle a key
+    block: KEY_BLOCK is a multiple of QUERY_BLOCK), so it needs blocks up to its own.
+    Tiles are grouped from the furthest down; a group joins the bucket above it when
+    the blocks it would compute in vain cost less than a bucket more. Host values
+    only on the CPU (elsewhere one bucket: no device-to-host read in a step).
+    """
+    blocks = max(1, ops.round_up(keys.max_keys, KEY_BLOCK) // KEY_BLOCK)
+    if keys.tile_positions.device.type != "cpu" or keys.num_tiles < 2:
+        return [(None, blocks)]
+    positions = keys.tile_positions.tolist()
+    ends = (keys.lengths[keys.tile_pieces] - 1).tolist()
+    needs = [
+        min(p + QUERY_BLOCK - 1, e) // KEY_BLOCK + 1 for p, e in zip(positions, ends, strict=True)
+    ]
+    by_need: dict[int, list[int]] = {}
+    for tile, need in enumerate(needs):
+        by_need.setdefault(need, []).append(tile)
+    buckets: list[tuple[list[int], int]] = []
+    for need in sorted(by_need, reverse=True):
+        tiles = by_need[need]
+        if buckets and len(tiles) * (buckets[-1][1] - need) <= BUCKET_COST:
+            buckets[-1][0].extend(tiles)
+        else:
+            buckets.append((list(tiles), need))
+    if len(buckets) == 1:
+        return [(None, buckets[0][1])]
+    device = keys.tile_positions.device
+    return [(torch.tensor(sorted(t), dtype=torch.int64, device=device), b) for t, b in buckets]
+
+
+def _attend_tiles(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    keys: KeyTable,
+    subset: torch.Tensor | None,
+    blocks: int,
+    scale: float,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the tiles in `subset` (None: all) over key blocks 0..blocks-1:
+    ([tiles * QUERY_BLOCK, Hq, D] outputs, the row of q each goes to; rows past q's
+    for a tile's padding rows)."""
     rows, heads, dim = q.shape
     kv_heads = k_buffer.shape[1]
     group = heads // kv_heads
-    tiles = keys.num_tiles
-    blocks = max(1, ops.round_up(keys.max_keys, KEY_BLOCK) // KEY_BLOCK)
-    query_index, query_ok, positions = _tile_queries(keys)  # [tiles, QB] each
+    pieces = keys.tile_pieces if subset is None else keys.tile_pieces[subset]
+    starts = keys.tile_positions if subset is None else keys.tile_positions[subset]
+    tiles = pieces.shape[0]
+    query_index, query_ok, positions = _tile_queries(keys, pieces, starts)  # [tiles, QB] each
     tile_q = torch.where(query_ok[:, :, None, None], q[query_index], 0)  # [tiles, QB, Hq, D]
     tile_q = tile_q.view(tiles, QUERY_BLOCK, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
     tile_q = tile_q.reshape(tiles * kv_heads, 1, group * QUERY_BLOCK, dim)
-    k, v, key_ok = _tile_keys(k_buffer, v_buffer, keys, blocks, q.dtype)
+    k, v, key_ok = _tile_keys(k_buffer, v_buffer, keys, pieces, blocks, q.dtype)
     # k, v [tiles * Hkv, blocks, KEY_BLOCK, D]
     rows_per_tile = group * QUERY_BLOCK
     tile_q = tile_q.expand(-1, blocks, -1, -1).reshape(-1, rows_per_tile, dim)
@@ -93,17 +156,16 @@ def paged_attention_reference(
     scores = scores.masked_fill(~visible[:, None, :, None], float("-inf"))
     out = _combine_blocks(scores.view(tiles * kv_heads, blocks, rows_per_tile, KEY_BLOCK), v)
     out = out.view(tiles, kv_heads, group, QUERY_BLOCK, dim).permute(0, 3, 1, 2, 4)
-    result = q.new_zeros((rows + 1, heads, dim))  # [rows + 1, Hq, D]: masked tile rows land last
     target = torch.where(query_ok, query_index, rows).reshape(-1)
-    result.index_copy_(0, target, out.reshape(-1, heads, dim))
-    return result[:rows]
+    return out.reshape(-1, heads, dim), target
 
 
-def _tile_queries(keys: KeyTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _tile_queries(
+    keys: KeyTable, pieces: torch.Tensor, tile_positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per tile row: index of its query in q (0 when masked), whether real, position."""
-    pieces = keys.tile_pieces
     offsets = torch.arange(QUERY_BLOCK, device=pieces.device)
-    positions = keys.tile_positions[:, None] + offsets  # [tiles, QB]
+    positions = tile_positions[:, None] + offsets  # [tiles, QB]
     starts = keys.starts[pieces][:, None]
     real = (positions >= starts) & (positions < keys.lengths[pieces][:, None])
     index = torch.where(real, keys.query_offsets[pieces][:, None] + positions - starts, 0)
@@ -114,12 +176,13 @@ def _tile_keys(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
     keys: KeyTable,
+    pieces: torch.Tensor,
     blocks: int,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each tile's keys 0..blocks*KEY_BLOCK-1 from the pool: K and V, and which are real."""
-    tiles, kv_heads, dim = keys.num_tiles, k_buffer.shape[1], k_buffer.shape[2]
-    pieces = keys.tile_pieces
+    """Each tile's keys 0..blocks*KEY_BLOCK-1 from the pool (tiles of `pieces`): K and V,
+    and which are real."""
+    tiles, kv_heads, dim = pieces.shape[0], k_buffer.shape[1], k_buffer.shape[2]
     key_positions = torch.arange(blocks * KEY_BLOCK, device=pieces.device)
     real = key_positions[None, :] < keys.lengths[pieces][:, None]  # [tiles, blocks * KB]
     at = torch.where(real, keys.key_offsets[pieces][:, None] + key_positions, 0)

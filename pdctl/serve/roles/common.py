@@ -80,7 +80,7 @@ KEEP_ALIVE_S = 30
 STOPPING = threading.Event()
 # How long a rank's end waits for that signal before it counts as a death: the ranks of
 # one group get the signal together and a child may be reaped before rank 0 handles it.
-STOP_RACE_S = 0.5
+STOP_RACE_S = 1.0
 
 
 class _Server(uvicorn.Server):
