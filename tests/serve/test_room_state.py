@@ -113,3 +113,35 @@ def test_changes_that_pile_up_go_out_as_one_snapshot() -> None:
     mirror = RoomMirror(channel)
     state = mirror.wait_for(3, RoomWait.offered(0, 19), 5.0)
     assert len(state["registrations"]["0"]["segments"]) == 20
+
+
+def test_rooms_are_purged_once_a_tick_not_at_every_lookup(monkeypatch) -> None:
+    """Thousands of tombstones are walked once per PURGE_EVERY_S, not at each of the
+    lookups every waiter makes at every change; what expires still expires."""
+    from pdctl.serve import bootstrap
+
+    clock = [time.monotonic()]  # a room's `created` stays the real clock's: near this
+    monkeypatch.setattr(bootstrap.time, "monotonic", lambda: clock[0])
+    rooms = Rooms(LAYOUT, expiry_s=30.0)
+    for room in range(3000):
+        rooms.start(room)
+        rooms.close(room, "finished")
+    walks = []
+
+    class Counted(dict):  # type: ignore[type-arg]
+        def items(self):  # type: ignore[no-untyped-def, override]
+            walks.append(1)
+            return super().items()
+
+    rooms._rooms = Counted(rooms._rooms)
+    rooms.start(5000)  # a room whose decode never registers
+    rooms.snapshot(6000)  # a registration-side room no prefill request ever started
+    for _ in range(500):  # lookups within one tick
+        rooms.snapshot(5000)
+    assert len(walks) <= 1
+    clock[0] += bootstrap.PURGE_EVERY_S + 31  # past the expiry: the unstarted room expires
+    assert rooms.snapshot(6000)["closed"] == "expired: no prefill request for this room"
+    assert rooms.snapshot(5000)["closed"] is None  # started: its own timeouts end it
+    clock[0] += bootstrap.TOMBSTONE_S  # the tombstones go, at the next tick
+    rooms.snapshot(5000)
+    assert rooms.open_rooms() == 1 and len(rooms._rooms) <= 3
