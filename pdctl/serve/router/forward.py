@@ -139,43 +139,32 @@ async def route_one(
 ) -> Any:
     prefill, decode = state.pick()
     async with prefill.slot(), decode.slot():  # prefill's first, always (workers.py)
-        return await _route_one(client, state, path, body, prefill, decode)
-
-
-async def _route_one(
-    client: httpx.AsyncClient,
-    state: RouterState,
-    path: str,
-    body: dict[str, Any],
-    prefill: Worker,
-    decode: Worker,
-) -> Any:
-    body, embedding = await _encode(state, client, path, body, prefill)
-    routed = _with_bootstrap({**body, "stream": False}, prefill)
-    prefill_task = asyncio.create_task(_post(client, prefill, path, routed))
-    decode_task = asyncio.create_task(_post(client, decode, path, routed))
-    try:
-        done, _ = await asyncio.wait(
-            {prefill_task, decode_task}, return_when=asyncio.FIRST_EXCEPTION
-        )
-        for task in done:
-            error = task.exception()
-            if isinstance(error, SideFailed):
-                raise error.paired_with(decode if error.side is prefill else prefill)
-            if error is not None:
-                raise error
-        answer = (await decode_task).json()
-        prefilled = await prefill_task
-        meta = answer.get("meta_info")
-        if isinstance(meta, dict):
-            with contextlib.suppress(ValueError):  # decode's answer stands without it
-                _add_prefill_side(meta, prefilled.json())
-            if embedding is not None:
-                meta["embedding_transfer"] = embedding
-        return answer
-    finally:
-        for task in (prefill_task, decode_task):
-            task.cancel()
+        body, embedding = await _encode(state, client, path, body, prefill)
+        routed = _with_bootstrap({**body, "stream": False}, prefill)
+        prefill_task = asyncio.create_task(_post(client, prefill, path, routed))
+        decode_task = asyncio.create_task(_post(client, decode, path, routed))
+        try:
+            done, _ = await asyncio.wait(
+                {prefill_task, decode_task}, return_when=asyncio.FIRST_EXCEPTION
+            )
+            for task in done:
+                error = task.exception()
+                if isinstance(error, SideFailed):
+                    raise error.paired_with(decode if error.side is prefill else prefill)
+                if error is not None:
+                    raise error
+            answer = (await decode_task).json()
+            prefilled = await prefill_task
+            meta = answer.get("meta_info")
+            if isinstance(meta, dict):
+                with contextlib.suppress(ValueError):  # decode's answer stands without it
+                    _add_prefill_side(meta, prefilled.json())
+                if embedding is not None:
+                    meta["embedding_transfer"] = embedding
+            return answer
+        finally:
+            for task in (prefill_task, decode_task):
+                task.cancel()
 
 
 async def route_stream(
@@ -183,44 +172,34 @@ async def route_stream(
 ) -> AsyncIterator[bytes]:
     prefill, decode = state.pick()
     async with prefill.slot(), decode.slot():  # prefill's first, always (workers.py)
-        async for chunk in _route_stream(client, state, path, body, prefill, decode):
-            yield chunk
-
-
-async def _route_stream(
-    client: httpx.AsyncClient,
-    state: RouterState,
-    path: str,
-    body: dict[str, Any],
-    prefill: Worker,
-    decode: Worker,
-) -> AsyncIterator[bytes]:
-    try:
-        body, _ = await _encode(state, client, path, body, prefill)
-    except SideFailed as exc:
-        yield f"data: {json.dumps(error_body(str(exc), status=exc.status))}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-        return
-    routed = _with_bootstrap(body, prefill)
-    prefill_task = asyncio.create_task(_post(client, prefill, path, {**routed, "stream": False}))
-    try:
-        async with client.stream("POST", f"{decode.url}{path}", json=routed) as response:
-            if response.status_code >= 400:
-                text = (await response.aread()).decode(errors="replace")
-                raise SideFailed(decode, f"{response.status_code} {text}")
-            async for chunk in response.aiter_raw():
-                if prefill_task.done() and prefill_task.exception() is not None:
-                    raise prefill_task.exception()  # type: ignore[misc]
-                yield chunk
-        await prefill_task
-    except SideFailed as exc:
-        yield f"data: {json.dumps(error_body(str(exc), status=exc.status))}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-    except httpx.HTTPError as exc:
-        body = error_body(f"decode {decode.url} failed: {exc}", status=502)
-        yield f"data: {json.dumps(body)}\n\n".encode()
-    finally:
-        prefill_task.cancel()
+        try:
+            body, _ = await _encode(state, client, path, body, prefill)
+        except SideFailed as exc:
+            yield f"data: {json.dumps(error_body(str(exc), status=exc.status))}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+            return
+        routed = _with_bootstrap(body, prefill)
+        prefill_task = asyncio.create_task(
+            _post(client, prefill, path, {**routed, "stream": False})
+        )
+        try:
+            async with client.stream("POST", f"{decode.url}{path}", json=routed) as response:
+                if response.status_code >= 400:
+                    text = (await response.aread()).decode(errors="replace")
+                    raise SideFailed(decode, f"{response.status_code} {text}")
+                async for chunk in response.aiter_raw():
+                    if prefill_task.done() and prefill_task.exception() is not None:
+                        raise prefill_task.exception()  # type: ignore[misc]
+                    yield chunk
+            await prefill_task
+        except SideFailed as exc:
+            yield f"data: {json.dumps(error_body(str(exc), status=exc.status))}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        except httpx.HTTPError as exc:
+            body = error_body(f"decode {decode.url} failed: {exc}", status=502)
+            yield f"data: {json.dumps(body)}\n\n".encode()
+        finally:
+            prefill_task.cancel()
 
 
 def merge_completions(parts: list[dict[str, Any]]) -> dict[str, Any]:
