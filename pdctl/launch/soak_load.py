@@ -125,9 +125,17 @@ class Load:
         self._stopped.set()
 
     def close(self, grace: float) -> None:
-        """Stop, give the workers `grace` seconds to end, close the client."""
+        """Stop, give the workers `grace` seconds to end, close the client.
+
+        A worker still in a request holds its connection: closing the pool would wait
+        for that answer (Ctrl-C, a dead server), so the pool is then closed on a
+        daemon thread and this returns at once (the servers' teardown ends the rest).
+        """
         self.stop()
         deadline = time.monotonic() + grace
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
-        self._client.close()
+        if any(worker.is_alive() for worker in self._workers):
+            threading.Thread(target=self._client.close, name="soak-close", daemon=True).start()
+        else:
+            self._client.close()
