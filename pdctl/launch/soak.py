@@ -114,8 +114,8 @@ def soak_one(
     load = Load(url, prompts, order, concurrency=concurrency, new_tokens=new_tokens,
                 timeout=timeout, on_done=on_done)  # fmt: skip
     started = time.perf_counter()
-    load.start()
-    try:
+    try:  # a Ctrl-C while the workers start stops them too (else they send on, forever)
+        load.start()
         load.wait(run.check_exits)
     except BaseException:  # Ctrl-C, a dead server: the run's owner stops the servers now,
         load.close(grace=0)  # which ends the requests in flight; no wait for them here

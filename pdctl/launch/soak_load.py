@@ -72,6 +72,7 @@ class Load:
         self._stopped = threading.Event()
         self._finished = threading.Event()
         self._workers: list[threading.Thread] = []
+        self._client: httpx.Client | None = None  # made by start()
         self.callback_error: BaseException | None = None
 
     def _take(self) -> int | None:
@@ -135,6 +136,8 @@ class Load:
         deadline = time.monotonic() + grace
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
+        if self._client is None:
+            return
         if any(worker.is_alive() for worker in self._workers):
             threading.Thread(target=self._client.close, name="soak-close", daemon=True).start()
         else:
