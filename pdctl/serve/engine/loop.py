@@ -90,7 +90,7 @@ class Engine:
     def submit(self, request: Request) -> None:
         self._inbox.put(("submit", request))
         if self.failed is not None:  # no loop may take it now; a second answer is ignored
-            request.sink(Event(request.rid, error=f"engine failed: {self.failed}"))
+            self._refuse(request)
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
@@ -115,9 +115,12 @@ class Engine:
         if self.failed is None:
             self.failed = message
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
-            request.sink(Event(request.rid, error=f"engine failed: {self.failed}"))
+            self._refuse(request)
         self._stop.set()
         self._inbox.put(("wake", None))
+
+    def _refuse(self, request: Request) -> None:
+        request.sink(Event(request.rid, error=f"engine failed: {self.failed}"))
 
     @property
     def alive(self) -> bool:
@@ -165,7 +168,7 @@ class Engine:
     def _accept(self, request: Request) -> None:
         faults().request_arrived()  # fault injection (kill-role); off unless asked for
         if self.failed is not None:
-            request.sink(Event(request.rid, error=f"engine failed: {self.failed}"))
+            self._refuse(request)
             return
         problem = self.scheduler.admission_problem(request)
         if problem:

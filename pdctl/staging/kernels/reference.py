@@ -122,7 +122,7 @@ def _divides(tensor: torch.Tensor, size: int) -> bool:
     """`tensor` viewed as `size`-byte words: last dimension contiguous, and its length,
     offset and every other stride whole words."""
     item = tensor.element_size()
-    if item >= size or tensor.stride(-1) != 1 or tensor.dim() < 1:
+    if tensor.dim() < 1 or item >= size or tensor.stride(-1) != 1:
         return False
     strides = [tensor.stride(d) * item for d in range(tensor.dim() - 1)]
     lengths = [tensor.shape[-1] * item, tensor.storage_offset() * item, *strides]
