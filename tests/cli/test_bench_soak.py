@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from pdctl.cli.app import app
@@ -89,14 +90,21 @@ def test_soak_rejects_a_warmup_past_the_requests(cli) -> None:
     assert "--warmup 20 is more than --requests 10" in result.stderr
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_mid_soak_tears_the_topology_down(tmp_path) -> None:
     """SIGINT while requests are in flight: pdctl exits 130 and no process of the run is
     left (the run's own record names their process groups)."""
     env = {**os.environ, "PDCTL_STATE_DIR": str(tmp_path / "state"), "NO_COLOR": "1"}
     argv = [sys.executable, "-m", "pdctl", "bench", "soak", "--requests", "100000",
             "--concurrency", "8", "--backends", "tcp"]  # fmt: skip
+    # as from a terminal: SIGINT at its default (a suite started in the background by a
+    # non-interactive shell ignores it, and Python then keeps ignoring it)
     child = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+                             stderr=subprocess.PIPE, text=True,
+                             preexec_fn=_sigint_default)  # fmt: skip
     try:
         assert child.stderr is not None
         seen = []
@@ -109,8 +117,13 @@ def test_ctrl_c_mid_soak_tears_the_topology_down(tmp_path) -> None:
         groups = [p["pgid"] for p in json.loads(record.read_text())["processes"]]
         assert len(groups) == 3  # prefill, decode, router
         child.send_signal(signal.SIGINT)
-        rest = child.stderr.read()
-        assert child.wait(timeout=120) == 130, rest
+        tail: list[str] = []  # the rest of stderr, read beside a bounded wait
+        reader = threading.Thread(target=lambda: tail.append(child.stderr.read()), daemon=True)
+        reader.start()
+        code = child.wait(timeout=120)
+        reader.join(30)
+        rest = "".join(tail)
+        assert code == 130, rest
         assert "interrupted" in rest
         assert not any(group_alive(pgid) for pgid in groups)
     finally:
