@@ -38,6 +38,11 @@ Forward = Callable[[Sequence[Piece]], torch.Tensor | None]
 class PDHooks(Protocol):
     """What the PD roles plug into the engine (all called on the scheduler thread)."""
 
+    def forwarded(self, request: Request) -> None:
+        """Prefill: the forward computing the prompt's last piece is enqueued on the
+        device, not yet done (the first token is chosen next); writes of its KV may
+        queue behind it."""
+
     def prefilled(self, request: Request, choice: TokenChoice) -> None:
         """Prefill: the prompt is computed and its first token chosen; start sending."""
 
@@ -225,7 +230,17 @@ class Engine:
         else:
             logits = self.forward(pieces)
         self.stats.forwards += 1
+        if self.hooks is not None:
+            self._forwarded(batch)
         self._commit(batch, logits)
+
+    def _forwarded(self, batch: list[tuple[Request, Piece]]) -> None:
+        """Tell the hooks of every PD prompt whose last piece that forward computes."""
+        assert self.hooks is not None
+        for request, piece in batch:
+            last = piece.start + piece.tokens.numel() == request.prompt_len
+            if last and request.room is not None and request.phase is Phase.PREFILL:
+                self.hooks.forwarded(request)
 
     def _commit(self, batch: list[tuple[Request, Piece]], logits: torch.Tensor | None) -> None:
         row = 0

@@ -5,12 +5,17 @@ IPC), one launch writes the pages and digests them (`kernels.page_write`); only 
 notification travels. `start` enqueues that launch on the calling thread's current
 stream and returns at once; `finish` waits for it and sends the notification.
 
-The sender starts a room's writes on the engine's thread when decode registered
-before the forward ended: the launch then queues right behind the forward on the
-engine's stream (no host wait for the KV to be ready in between), and a worker
-thread finishes it. The write's time is the device's time from an event before the
-launch to one after it (which counts the host work of an enqueue onto an idle stream,
-and not the forward's time before it), plus the notification's host work.
+The sender starts a room's writes on the engine's thread as soon as the forward
+that computes the prompt's last piece is enqueued, when decode registered by then:
+the launch queues right behind the forward on the engine's stream, and its host work
+overlaps the forward's device time. The engine's choice of the first token waits for
+the stream, so the write has landed when the engine hands the room to the sender;
+the notification goes out there, on the engine's thread (`finish(inline=True)`).
+Its time is measured on the device's clock, from an event before the launch (it fires
+when the forward ends) to one recorded once the notification is sent (the stream is
+idle then, so it fires at once): everything between the KV being ready and decode
+being told. A write finished by a worker thread counts the device's span of the
+launch plus the notification's host work.
 
 What this does not know: rooms, registrations' arrival, faults.
 """
@@ -48,6 +53,7 @@ class StartedWrite:
     ended: Any  # device event after it
     nbytes: int
     host_s: float  # host time spent enqueueing
+    done_s: float | None = None  # the write's seconds, once `finish` sent its notification
 
 
 class MappedWriter:
@@ -89,17 +95,23 @@ class MappedWriter:
             head_start=piece.src_head_start, num_heads=piece.num_heads,
             page_size=self.kv.page_size,
         )  # fmt: skip
+        pending.stage_to_host()  # the digests reach pinned host memory behind the write
         ended.record(stream)
         nbytes = layout.block_bytes(writer, len(pages) * self.kv.page_size)
         host_s = time.perf_counter() - began_s
         return StartedWrite(room, peer, pending, began, ended, nbytes, host_s)
 
-    def finish(self, started: StartedWrite) -> float:
-        """Wait for the write, send its notification; returns the write's seconds:
-        from the first event to the last on the device, then the notification's host
-        work. (The first event fires once the stream is free: at once when the launch
-        is enqueued on an idle stream, so its host work counts there; behind a forward,
-        the host work that overlapped the forward does not.)"""
+    def finish(self, started: StartedWrite, *, inline: bool = False) -> float:
+        """Wait for the write, send its notification; returns the write's seconds
+        (also kept in `started.done_s`).
+
+        inline: called on the engine's thread once its stream is idle (the first
+        token chosen): the seconds run on the device's clock from the event before the
+        launch (the forward's end, when the write queued behind it) to one recorded
+        after the notification went out, so every host step in between counts.
+        Otherwise (a worker thread): the device's span of the launch, then the
+        notification's host work. (The first event fires once the stream is free: at
+        once when the launch is enqueued on an idle stream, so its host work counts.)"""
         started.ended.synchronize()  # the bytes are in decode's pool
         began_s = time.perf_counter()
         digests = [d for part in started.pending.result() for d in part]
@@ -107,16 +119,26 @@ class MappedWriter:
             started.room, proto.DIRECT_SEGMENT, self.rank, digests, started.nbytes
         )
         self.transport.notify(started.peer, notice)
-        device_s = started.began.elapsed_time(started.ended) / 1e3
         finish_s = time.perf_counter() - began_s
+        device_s = started.began.elapsed_time(started.ended) / 1e3
+        if inline:
+            device = self.kv.k_buffers[0].device
+            notified = _timing_event(device)
+            notified.record(dev.current_device_stream(device))
+            notified.synchronize()
+            seconds = started.began.elapsed_time(notified) / 1e3
+        else:
+            seconds = device_s + finish_s
         if self.explained < EXPLAINED_ROOMS:  # the parts of the first rooms' writes, logged
             self.explained += 1
             log.info(
-                "room %s: mapped write: enqueue %.0f us (host), first to last event %.0f us "
-                "(device), notification %.0f us (host)",
-                started.room, started.host_s * 1e6, device_s * 1e6, finish_s * 1e6,
+                "room %s: mapped write%s: enqueue %.0f us (host), first to last event %.0f us "
+                "(device), notification %.0f us (host), the write's time %.0f us",
+                started.room, " (engine thread)" if inline else "", started.host_s * 1e6,
+                device_s * 1e6, finish_s * 1e6, seconds * 1e6,
             )  # fmt: skip
-        return device_s + finish_s
+        started.done_s = seconds
+        return seconds
 
 
 def _timing_event(device: torch.device) -> Any:

@@ -12,8 +12,11 @@ staging buffer, write it at this writer's block offset, notify with the digests.
 direct (equal TP, or staging disabled): write the pages (or, with TP differing,
 each token's head slice) straight into decode's KV pages, then notify. Where the
 transport maps decode's pool here, one launch writes and digests the pages
-(`mapped_write`), enqueued on the engine's thread behind the forward when decode
-registered in time, finished (waited for, notified) by the room's worker. Failures
+(`mapped_write`). When decode registered in time, that launch is enqueued on the
+engine's thread as soon as the forward computing the prompt's last piece is
+(`prepare`), and its notification goes out on the engine's thread once the first
+token is chosen (`send`: the stream has passed the write by then); otherwise the
+room's worker starts or finishes it. Failures
 are reported with the decode rank they concern. A room's faults (`RoomFaults`) are
 drawn once and travel with its clock as one `RoomJob`; addresses and descriptors are
 computed by `staging.descriptors`.
@@ -107,23 +110,53 @@ class KVSender:
         self.kv_bases = kv_bases(kv.k_buffers, kv.v_buffers)  # [L0.K, L0.V, L1.K, ...]
         self.mapped = MappedWriter(rank, kv, transport)
         self._said_early = False  # logged once: writes enqueued on the engine's thread
+        self._prepared: dict[int, RoomJob | None] = {}  # room -> its job (`prepare`)
         self.peers: dict[str, Peer] = {}
         self.peers_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix=f"pdctl-send-{rank}")
         self._local = threading.local()
 
+    def prepare(self, room: int, pages: list[int]) -> None:
+        """The forward computing `room`'s last prompt piece is enqueued (not done).
+
+        Called on the engine's thread: where decode already registered and its pool is
+        mapped here, the writes queue now behind that forward on the engine's stream
+        (`mapped_write`), their host work overlapping the forward's device time."""
+        self._prepared[room] = self._try_early(room, pages)
+
     def send(self, room: int, pages: list[int], num_tokens: int, ready: Any) -> None:
         """Start sending `room` (pages hold the prompt's KV once `ready` completes).
 
-        Called on the engine's thread right after the forward: where decode already
-        registered and its pool is mapped here, the writes are enqueued now, behind
-        the forward on the engine's stream (`mapped_write`); a worker finishes them."""
+        Called right after the forward (rank 0: on the engine's thread, once the first
+        token is chosen). Writes `prepare` queued have landed by then: they are
+        notified here; otherwise where decode registered and its pool is mapped here,
+        they are enqueued now, and a worker finishes them."""
+        job = self._prepared.pop(room) if room in self._prepared else self._try_early(room, pages)
+        if job is not None:
+            self._notify_landed(room, job)
+        self.executor.submit(self._run, room, pages, num_tokens, ready, job)
+
+    def forget(self, room: int) -> None:
+        """`room` ended before `send` (aborted): its prepared job is dropped."""
+        self._prepared.pop(room, None)
+
+    def _try_early(self, room: int, pages: list[int]) -> RoomJob | None:
         try:
-            job = self._start_early(room, pages)
+            return self._start_early(room, pages)
         except Exception:  # the worker sends the room its usual way; the engine goes on
             log.exception("room %s: an early write could not start", room)
-            job = None
-        self.executor.submit(self._run, room, pages, num_tokens, ready, job)
+            return None
+
+    def _notify_landed(self, room: int, job: RoomJob) -> None:
+        """Notify the early writes the stream has passed (on the caller's thread); a
+        failure leaves the write to the worker, which reports it."""
+        for decode_rank, started in job.early.items():
+            if started.done_s is not None or not started.ended.query():
+                continue
+            try:
+                self.mapped.finish(started, inline=True)
+            except Exception:
+                log.exception("room %s: decode rank %s: the notification failed", room, decode_rank)
 
     def _start_early(self, room: int, pages: list[int]) -> RoomJob | None:
         state = self.snapshot(room, 0.0, RoomWait.registered())
@@ -256,8 +289,8 @@ class KVSender:
         total, segments, busy = 0, 0, 0.0
         for decode_rank, layout, writer in self._targets(decode_tp):
             early = job.early.get(decode_rank)
-            if early is not None:  # enqueued behind the forward: wait, notify
-                busy += self.mapped.finish(early)
+            if early is not None:  # enqueued behind the forward: wait, notify (if not yet)
+                busy += early.done_s if early.done_s is not None else self.mapped.finish(early)
                 total += early.nbytes
                 continue
             registration = self._registration(room, decode_rank, deadline)

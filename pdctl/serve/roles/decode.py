@@ -112,6 +112,9 @@ class DecodeHooks:
         ready.record(dev.current_device_stream(self.rank.device))
         self.receiver.receive(request.room, pages, request.prompt_len, request.bootstrap, ready)
 
+    def forwarded(self, request: Request) -> None:  # prefill's: decode writes no KV out
+        return
+
     def prefilled(self, request: Request, choice: TokenChoice) -> None:  # prefill only
         raise AssertionError("decode servers do not prefill PD requests")
 

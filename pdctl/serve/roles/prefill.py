@@ -109,6 +109,10 @@ class PrefillHooks:
             raise BadRequest(f"prefill: {exc}", exc.field) from None
         request.embeds = splices(items, rows)
 
+    def forwarded(self, request: Request) -> None:
+        assert request.room is not None and self.engine is not None
+        self.sender.prepare(request.room, self.engine.scheduler.prompt_pages(request))
+
     def prefilled(self, request: Request, choice: TokenChoice) -> None:
         assert request.room is not None and self.engine is not None
         room = request.room
@@ -136,6 +140,7 @@ class PrefillHooks:
 
     def aborted(self, request: Request) -> None:
         if request.room is not None:
+            self.sender.forget(request.room)
             self.rooms.close(request.room, "failed: the prefill request was aborted")
 
     def report(self, room: int, report: dict[str, Any]) -> None:
