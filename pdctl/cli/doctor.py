@@ -50,6 +50,9 @@ def doctor(
     )
     for name, info in data["transports"].items():
         _transport(name, info)
+    staging = data["cpu_staging"]
+    how = "C row copy" if staging["native"] else f"torch index ops ({staging['detail']})"
+    out.print(f"CPU staging: {how}", markup=False)
     modules = ", ".join(f"{m} {'yes' if ok else 'no'}" for m, ok in data["modules"].items())
     out.print(f"modules: {modules}", markup=False)
     out.print("capabilities: " + (", ".join(data["capabilities"]) or "none"), markup=False)

@@ -207,7 +207,16 @@ def report() -> dict[str, Any]:
         "device_memory_free_gb": device_memory(),
         "transports": transports,
         "modules": modules,
+        "cpu_staging": _cpu_staging(),
     }
+
+
+def _cpu_staging() -> dict[str, Any]:
+    """How the torch backend copies CPU staging rows: the C copy, or torch's index ops."""
+    from pdctl.staging.kernels import native
+
+    ok, why = native.available()
+    return {"native": ok, "detail": why if not ok else f"C row copy ({native.library_dir()})"}
 
 
 def capabilities(data: dict[str, Any]) -> set[str]:

@@ -10,7 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdctl.staging.kernels import gather_all_layers_to_staging, reference, scatter_staging_to_kv
+from pdctl.staging.kernels import (
+    gather_all_layers_to_staging,
+    native,
+    reference,
+    scatter_staging_to_kv,
+)
 from pdctl.staging.layout import head_slices
 from tests.staging.kv_factory import as_bits, naive_gather, random_kv, random_pages
 
@@ -63,8 +68,16 @@ def run_case(backend, layers, page_size, split, dtype, seed, head_dim=16, device
 TORCH_GRID = list(itertools.product([1, 16, 64], [1, 3], SPLITS, DTYPES))
 
 
+def index_ops_only(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The torch backend's own index ops on the CPU (the C copy declines every call)."""
+    monkeypatch.setattr(native, "copy_rows", lambda *args, **kwargs: False)
+
+
+@pytest.mark.parametrize("c_copy", [True, False], ids=["c-copy", "index-ops"])
 @pytest.mark.parametrize(("page_size", "layers", "split", "dtype"), TORCH_GRID)
-def test_torch_backend_is_bitwise(page_size, layers, split, dtype) -> None:
+def test_torch_backend_is_bitwise(monkeypatch, page_size, layers, split, dtype, c_copy) -> None:
+    if not c_copy:
+        index_ops_only(monkeypatch)
     run_case("torch", layers, page_size, split, dtype, seed=page_size * 7 + layers)
 
 
@@ -88,7 +101,9 @@ def test_triton_backend_is_bitwise(page_size, layers, split, dtype) -> None:
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_torch_scatter_paths_are_bitwise(monkeypatch, page_size, split, dtype, parallel_bytes):
     """The CPU's numpy scatter split over threads (every part a thread's) and in one
-    part, and index_copy_ over words (other devices' path), each against the reference."""
+    part, and index_copy_ over words (other devices' path), each against the reference
+    (where the C copy is not built, these are the CPU's paths)."""
+    index_ops_only(monkeypatch)
     monkeypatch.setattr(reference, "PARALLEL_BYTES", parallel_bytes)
     run_case("torch", 3, page_size, split, dtype, seed=7)
     monkeypatch.setattr(reference, "NUMPY_SCATTER", False)
@@ -218,7 +233,10 @@ def test_gather_takes_no_gpu_id() -> None:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("start", "count"), [(0, 4), (2, 2), (1, 2)])
-def test_buffers_sharing_one_storage_take_the_fused_path(page_size, start, count) -> None:
+def test_buffers_sharing_one_storage_take_the_fused_path(
+    monkeypatch, page_size, start, count
+) -> None:
+    index_ops_only(monkeypatch)
     layers, heads, dim = 3, 4, 8
     kv = torch.randn(layers, 2, 10 * page_size, heads, dim)  # [layers, K/V, pool, heads, dim]
     k = [kv[layer, 0] for layer in range(layers)]

@@ -19,14 +19,17 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
+from pdctl.staging import device as dev
 from pdctl.staging.descriptors import pointer_table
 from pdctl.staging.digest import block_digests, digest_of_sum
+from pdctl.staging.kernels import captured
 from pdctl.staging.kernels.base import BufferCache, backend_names, default_backend, get_backend
+from pdctl.staging.kernels.captured import CapturedCalls
 from pdctl.staging.kernels.kvset import WORD_DTYPES, KVInfo, KVSet, describe_kv, prepare_kv
 from pdctl.staging.layout import HeadSlice
 
@@ -163,7 +166,38 @@ def gather_all_layers_to_staging(
     page_size: int,
     backend: str | None = None,
 ) -> int:
-    """Gather heads [src_head_start, +num_heads) of every layer's K and V; returns bytes."""
+    """Gather heads [src_head_start, +num_heads) of every layer's K and V; returns bytes.
+
+    On CUDA a call that comes back the same is replayed from a graph (`captured`)."""
+
+    def eager(pages: PageIndices) -> int:
+        return _gather(
+            k_buffers, v_buffers, pages, staging,
+            src_head_start=src_head_start, num_heads=num_heads, page_size=page_size,
+            backend=backend,
+        )  # fmt: skip
+
+    if not _capturable(staging, page_indices):
+        return eager(page_indices)
+    key = ("gather", id(k_buffers), id(v_buffers), *_staging_key(staging), len(page_indices),
+           page_size, src_head_start, num_heads, backend)  # fmt: skip
+    return CAPTURED.call(
+        key, k_buffers, v_buffers, staging,
+        lambda: _host_ids(k_buffers, v_buffers, page_indices, page_size), eager, page_indices,
+    )  # fmt: skip
+
+
+def _gather(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: PageIndices,
+    staging: torch.Tensor,
+    *,
+    src_head_start: int,
+    num_heads: int,
+    page_size: int,
+    backend: str | None,
+) -> int:
     kvset = prepare_kv(k_buffers, v_buffers)
     info = kvset.info
     _check_heads(src_head_start, num_heads, info, "source")
@@ -195,7 +229,8 @@ def scatter_staging_to_kv(
     """Scatter one block (dst_head_start, num_heads) or a region of several writers' blocks.
 
     With `writers`, the region holds one block per writer in order (see `layout`),
-    each scattered into its own destination heads. Returns the bytes consumed.
+    each scattered into its own destination heads. Returns the bytes consumed. On
+    CUDA a call that comes back the same is replayed from a graph (`captured`).
     """
     if writers is None:
         if dst_head_start is None or num_heads is None:
@@ -203,6 +238,30 @@ def scatter_staging_to_kv(
         writers = [HeadSlice(0, 0, dst_head_start, num_heads)]
     elif dst_head_start is not None or num_heads is not None:
         raise ValueError("give either writers or dst_head_start/num_heads, not both")
+    pieces = tuple(writers)
+
+    def eager(pages: PageIndices) -> int:
+        return _scatter(staging, k_buffers, v_buffers, pages, page_size, pieces, backend)
+
+    if not _capturable(staging, page_indices):
+        return eager(page_indices)
+    key = ("scatter", id(k_buffers), id(v_buffers), *_staging_key(staging), len(page_indices),
+           page_size, pieces, backend)  # fmt: skip
+    return CAPTURED.call(
+        key, k_buffers, v_buffers, staging,
+        lambda: _host_ids(k_buffers, v_buffers, page_indices, page_size), eager, page_indices,
+    )  # fmt: skip
+
+
+def _scatter(
+    staging: torch.Tensor,
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: PageIndices,
+    page_size: int,
+    writers: Sequence[HeadSlice],
+    backend: str | None,
+) -> int:
     kvset = prepare_kv(k_buffers, v_buffers)
     info = kvset.info
     name = _backend_for(info, backend)
@@ -226,6 +285,35 @@ def scatter_staging_to_kv(
     return offset
 
 
+CAPTURED = CapturedCalls()
+
+
+def _capturable(staging: torch.Tensor, page_indices: PageIndices) -> bool:
+    """A CUDA call with host page ids (ids on the device go the eager way)."""
+    if not captured.ENABLED or staging.device.type != "cuda":
+        return False
+    if isinstance(page_indices, torch.Tensor):
+        return page_indices.device.type == "cpu" and page_indices.dim() == 1
+    if isinstance(page_indices, np.ndarray):
+        return page_indices.ndim == 1
+    return isinstance(page_indices, (list, tuple))  # a bad list fails the eager path's check
+
+
+def _staging_key(staging: torch.Tensor) -> tuple[int, int, bool, torch.dtype]:
+    return staging.data_ptr(), staging.numel(), staging.is_contiguous(), staging.dtype
+
+
+def _host_ids(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: PageIndices,
+    page_size: int,
+) -> np.ndarray:
+    """The host ids as int64 numpy, checked as `upload_pages` checks them."""
+    pages = checked_pages(page_indices, page_size, prepare_kv(k_buffers, v_buffers).info)
+    return pages.numpy().astype(np.int64, copy=False)
+
+
 _DIGEST_TABLES: BufferCache[torch.Tensor] = BufferCache(
     lambda views: pointer_table(views, views[0].device)
 )
@@ -242,12 +330,28 @@ class PendingDigests:
     words: list[int]  # per segment: words per chunk
     num_buffers: int
     ready: list[list[int]] | None = None
+    host: torch.Tensor | None = None  # the sums in pinned host memory (`stage_to_host`)
+    copied: Any = None  # a device event recorded after the copy to `host`
+
+    def stage_to_host(self) -> None:
+        """Queue the sums' copy to pinned host memory behind the kernel (CUDA only), so
+        that `result()` after the stream passed it reads host memory, not the device."""
+        if self.sums is None or self.host is not None or self.sums.device.type != "cuda":
+            return
+        self.host = torch.empty(self.sums.shape, dtype=self.sums.dtype, pin_memory=True)
+        self.host.copy_(self.sums, non_blocking=True)
+        self.copied = dev.create_device_event(self.sums.device)
+        self.copied.record(dev.current_device_stream(self.sums.device))
 
     def result(self) -> list[list[int]]:
         """Per segment, the digests [L0.K, L0.V, L1.K, ...] (one host synchronisation)."""
         if self.ready is None:
             assert self.sums is not None
-            sums = self.sums.tolist()
+            if self.host is not None and self.copied is not None:
+                self.copied.synchronize()
+                sums = self.host.tolist()
+            else:
+                sums = self.sums.tolist()
             width = self.num_buffers
             self.ready = [
                 [digest_of_sum(total, words) for total in sums[i * width : (i + 1) * width]]

@@ -12,6 +12,11 @@ that divide it (`_as_words`: int64, a quarter of a bf16 chunk's elements). Scatt
 is the slower one (`index_copy_`): on the CPU a small chunk (page 1) is instead one
 numpy item of the chunk's size, which numpy's fancy assignment moves with one memcpy,
 the index split over torch's intra-op threads (numpy lets the GIL go while it copies).
+
+On the CPU, where the C copy is built (`native`), it does both directions instead:
+a memcpy per chunk with rows prefetched ahead, which the index ops above do not
+match on small chunks. The index ops remain the path elsewhere, and here where no C
+compiler is found.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from pdctl.staging.kernels import native
 from pdctl.staging.kernels.base import BufferCache, KernelBackend
 
 
@@ -185,6 +191,10 @@ class TorchKernels(KernelBackend):
         staging: torch.Tensor,
         col_start: int,
     ) -> None:
+        if staging.device.type == "cpu" and native.copy_rows(
+            buffers, pages, page_size, staging, col_start, to_staging=True
+        ):
+            return
         views, index, out = _plan(buffers, staging, pages, page_size, col_start)
         for i, view in enumerate(views):
             wide_view, wide_out = _as_words(view, out[i])
@@ -198,6 +208,10 @@ class TorchKernels(KernelBackend):
         page_size: int,
         col_start: int,
     ) -> None:
+        if staging.device.type == "cpu" and native.copy_rows(
+            buffers, pages, page_size, staging, col_start, to_staging=False
+        ):
+            return
         views, index, source = _plan(buffers, staging, pages, page_size, col_start)
         for i, view in enumerate(views):
             rows = source[i]

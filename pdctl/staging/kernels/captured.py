@@ -1,0 +1,178 @@
+"""Checked staging calls replayed as CUDA graphs: a repeated call's host work is a
+lookup, the page check, a copy of the ids into pinned memory and one graph launch.
+
+A checked gather or scatter does tens of microseconds of host work (views, the ids'
+upload, the kernel's launch), as long as the device takes to copy a hundred
+megabytes; where the host is slow, that work, not the copy, sets the rate. A call
+that comes back the same (the same KV lists, the same staging memory, as many page
+ids, the same page size, heads and backend) is captured, on its SIGHTS-th sight, as
+a graph of two nodes: the ids' upload from a pinned slot, then the kernels. A
+replay reads the ids the host wrote to the slot just before.
+
+Each call shape keeps a ring of SLOTS graphs, each with its own pinned ids and
+device ids, and an event recorded behind each replay: a slot is written again only
+once the device passed its last replay, so the host never overwrites ids that a
+queued replay has yet to read. Ids are range- and duplicate-checked on the host on
+every call, as the eager path checks them. Ids already on the device, other
+devices than CUDA, and a shape whose capture failed go the eager way. The caches
+are per thread (a graph is replayed by the thread that captured it); each entry
+holds the KV lists it names (their identity is checked on every call, and the
+graph holds their addresses). The staging memory is named by its address, size,
+dtype and layout, all a replay's effect depends on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+log = logging.getLogger("pdctl.staging")
+
+SIGHTS = 3  # eager calls of a shape before the next one captures it
+SLOTS = 4  # graphs per shape, replayed in turn
+MAX_SHAPES = 32  # per thread; the least recently used shape is dropped
+ENABLED = os.environ.get("PDCTL_STAGING_GRAPHS", "1") != "0"
+
+Eager = Callable[[Any], int]  # the checked call on these page ids (host or device); bytes
+
+
+class Slot(Protocol):
+    ids: np.ndarray  # the replay's page ids, written by the host before `replay`
+
+    def replay(self) -> None: ...
+
+    def wait(self) -> None:
+        """Until the device passed this slot's last replay (its ids were read)."""
+
+
+Capture = Callable[[torch.device, int, Eager], list[Slot]]
+
+
+@dataclass
+class _Shape:
+    k_buffers: tuple[torch.Tensor, ...]
+    v_buffers: tuple[torch.Tensor, ...]
+    nbytes: int
+    sights: int = 1
+    slots: list[Slot] = field(default_factory=list)
+    next: int = 0
+    failed: bool = False
+
+    def names(self, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor]) -> bool:
+        return (
+            len(self.k_buffers) == len(k_buffers)
+            and len(self.v_buffers) == len(v_buffers)
+            and all(map(_same, self.k_buffers, k_buffers))
+            and all(map(_same, self.v_buffers, v_buffers))
+        )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b
+
+
+class CudaSlot:
+    """One captured graph: its pinned ids, the device ids it uploads them to, and the
+    event behind its last replay."""
+
+    def __init__(self, device: torch.device, num_ids: int, eager: Eager, pool: Any) -> None:
+        self.pinned = torch.empty(num_ids, dtype=torch.int64, pin_memory=True)
+        self.ids = self.pinned.numpy()
+        self.device_ids = torch.empty(num_ids, dtype=torch.int64, device=device)
+        self.done = torch.cuda.Event()  # cuda-only: graphs are CUDA's
+        self.used = False
+        self.graph = torch.cuda.CUDAGraph()  # cuda-only: graphs are CUDA's
+        stream = torch.cuda.Stream(device)  # cuda-only: graphs are CUDA's
+        capturing = torch.cuda.graph(  # cuda-only: graphs are CUDA's
+            self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"
+        )
+        with capturing:
+            self.device_ids.copy_(self.pinned, non_blocking=True)
+            eager(self.device_ids)
+
+    def replay(self) -> None:
+        self.graph.replay()
+        self.done.record()
+        self.used = True
+
+    def wait(self) -> None:
+        if self.used:
+            self.done.synchronize()
+
+
+def capture_cuda(device: torch.device, num_ids: int, eager: Eager) -> list[Slot]:
+    with torch.cuda.device(device):  # cuda-only: graphs are CUDA's
+        pool = torch.cuda.graph_pool_handle()  # cuda-only: graphs are CUDA's
+        return [CudaSlot(device, num_ids, eager, pool) for _ in range(SLOTS)]
+
+
+class CapturedCalls:
+    """`call(key, ...)`: the checked call `eager`, replayed from a graph once its shape
+    came back SIGHTS times (see the module's docstring)."""
+
+    def __init__(self, capture: Capture = capture_cuda, sights: int = SIGHTS) -> None:
+        self._capture = capture
+        self._sights = sights
+        self._local = threading.local()
+        self.captures = 0  # shapes captured (all threads)
+        self.replays = 0
+
+    def _shapes(self) -> OrderedDict[tuple[Any, ...], _Shape]:
+        shapes = getattr(self._local, "shapes", None)
+        if shapes is None:
+            shapes = self._local.shapes = OrderedDict()
+        return shapes
+
+    def call(
+        self,
+        key: tuple[Any, ...],
+        k_buffers: Sequence[torch.Tensor],
+        v_buffers: Sequence[torch.Tensor],
+        staging: torch.Tensor,
+        host_ids: Callable[[], np.ndarray],
+        eager: Eager,
+        page_indices: Any,
+    ) -> int:
+        """`eager(page_indices)`, or its replay. `host_ids()` checks the ids (raising
+        as the eager path does) and returns them as int64 numpy."""
+        shapes = self._shapes()
+        shape = shapes.get(key)
+        if shape is None or not shape.names(k_buffers, v_buffers):
+            nbytes = eager(page_indices)  # checks every argument
+            shapes[key] = _Shape(tuple(k_buffers), tuple(v_buffers), nbytes)
+            if len(shapes) > MAX_SHAPES:
+                shapes.popitem(last=False)
+            return nbytes
+        shapes.move_to_end(key)
+        if shape.failed or shape.sights < self._sights:
+            shape.sights += 1
+            return eager(page_indices)
+        ids = host_ids()
+        if not shape.slots:
+            return self._first(shape, ids, eager, staging.device)
+        slot = shape.slots[shape.next]
+        shape.next = (shape.next + 1) % len(shape.slots)
+        slot.wait()
+        slot.ids[:] = ids
+        slot.replay()
+        self.replays += 1
+        return shape.nbytes
+
+    def _first(self, shape: _Shape, ids: np.ndarray, eager: Eager, device: torch.device) -> int:
+        """This call eagerly, then the shape's capture (which runs nothing)."""
+        nbytes = eager(ids)
+        try:
+            shape.slots = self._capture(device, len(ids), eager)
+            self.captures += 1
+        except Exception as exc:  # the shape goes the eager way from now on
+            shape.failed = True
+            log.warning("staging: a call shape could not be captured as a graph: %s", exc)
+        return nbytes

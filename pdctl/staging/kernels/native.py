@@ -1,0 +1,132 @@
+"""The CPU staging copy in C (`native_rows.c`): memcpy per chunk, rows prefetched
+ahead, split over threads; torch's index ops stay the path where it cannot be built.
+
+torch's CPU index ops move a page-1 layout's rows (a few hundred bytes each, at
+random places in the pool) at 0.3-0.5 of a plain copy's rate; a memcpy per row with
+the next rows prefetched moves them at 0.6-0.9 (`pdctl bench staging --device cpu`,
+docs/benchmarks.md). The library is compiled once per source version with the
+host's C compiler (`CC`, else cc or gcc) into PDCTL_NATIVE_DIR (default
+~/.cache/pdctl/native), written to a temporary name and renamed, so concurrent
+processes never load half a file. `available()` says why it is not there when it
+is not (`pdctl doctor` shows it); PDCTL_NATIVE_STAGING=0 turns it off.
+
+The C code trusts its arguments, so `copy_rows` checks them first: buffers of
+[pool_tokens, row_words] rows, a contiguous staging block, page ids inside the pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+SOURCE = Path(__file__).with_name("native_rows.c")
+ENABLED = os.environ.get("PDCTL_NATIVE_STAGING", "1") != "0"
+THREAD_BYTES = 1 << 20  # below this many bytes a thread more costs more than it saves
+
+
+def library_dir() -> Path:
+    configured = os.environ.get("PDCTL_NATIVE_DIR")
+    if configured:
+        return Path(configured)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "pdctl" / "native"
+
+
+def build() -> Path:
+    """The compiled library (built on first use); raises OSError saying why it cannot be."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    target = library_dir() / f"staging-rows-{digest}.so"
+    if target.exists():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc or gcc) to build the CPU staging copy")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        flags = ["-O3", "-shared", "-fPIC", "-pthread"]
+        command = [compiler, *flags, "-o", str(built), str(SOURCE)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise OSError(f"building the CPU staging copy failed: {result.stderr.strip()}")
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def _function() -> tuple[Any, str]:  # (the C function or None, why)
+    if not ENABLED:
+        return None, "turned off (PDCTL_NATIVE_STAGING=0)"
+    try:
+        library = ctypes.CDLL(str(build()))
+    except OSError as exc:
+        return None, str(exc)
+    function = library.pdctl_copy_rows
+    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_int] * 2
+    function.restype = ctypes.c_int
+    return function, "built"
+
+
+def available() -> tuple[bool, str]:
+    """(whether the C copy serves CPU staging, and why not when it does not)."""
+    function, why = _function()
+    return function is not None, why
+
+
+@functools.lru_cache(maxsize=256)
+def _table(addresses: tuple[int, ...]) -> np.ndarray:
+    return np.asarray(addresses, dtype=np.int64)
+
+
+def copy_rows(
+    buffers: Sequence[torch.Tensor],
+    pages: torch.Tensor,
+    page_size: int,
+    staging: torch.Tensor,
+    col_start: int,
+    to_staging: bool,
+) -> bool:
+    """The backend contract's gather (to_staging) or scatter on CPU tensors, in C.
+
+    Returns False, having done nothing, where the C copy is not available or the
+    layout is not the one it copies (the caller's index ops then do it)."""
+    function, _ = _function()
+    if function is None or staging.device.type != "cpu" or not staging.is_contiguous():
+        return False
+    num_buffers, num_tokens, num_cols = staging.shape
+    first = buffers[0]
+    pool_tokens, row_words = first.shape
+    if any(b.stride() != (row_words, 1) or b.shape != first.shape for b in buffers):
+        return False
+    if pages.dtype != torch.int64 or not pages.is_contiguous() or pages.device.type != "cpu":
+        return False
+    word = staging.element_size()
+    if first.element_size() != word or col_start < 0 or col_start + num_cols > row_words:
+        return False
+    if num_tokens == 0:
+        return True
+    if len(pages) * page_size < num_tokens:
+        raise ValueError(f"{len(pages)} pages of {page_size} hold fewer than {num_tokens} tokens")
+    ids = pages.numpy()
+    if int(ids.min()) < 0 or (int(ids.max()) + 1) * page_size > pool_tokens:
+        raise ValueError(f"a page id is outside the pool's {pool_tokens // page_size} pages")
+    table = _table(tuple(b.data_ptr() for b in buffers))
+    nbytes = staging.numel() * word
+    threads = max(1, min(torch.get_num_threads(), nbytes // THREAD_BYTES))
+    function(
+        table.ctypes.data, pages.data_ptr(), staging.data_ptr(), num_buffers, num_tokens,
+        page_size, row_words * word, col_start * word, num_cols * word, int(to_staging),
+        threads,
+    )  # fmt: skip
+    return True

@@ -1,0 +1,153 @@
+"""Staging calls replayed from graphs (`kernels.captured`): the cache's rules on the CPU
+with a stand-in capture (which runs the captured call on the ids its slot holds), and
+real CUDA graphs on a GPU, each replay bitwise the eager call it replaces."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pdctl.staging import kernels
+from pdctl.staging.kernels import captured
+from pdctl.staging.kernels.captured import CapturedCalls, Eager
+from tests.staging.kv_factory import as_bits, naive_gather, random_kv, random_pages
+
+PAGE, POOL_PAGES, COUNT = 4, 32, 6
+
+
+class FakeSlot:
+    """Replays run the captured call on the slot's ids; `log` records the order of
+    waits, writes (seen as replays) and replays."""
+
+    def __init__(self, index: int, num_ids: int, eager: Eager, log: list[Any]) -> None:
+        self.index, self.eager, self.log = index, eager, log
+        self.ids = np.zeros(num_ids, dtype=np.int64)
+
+    def replay(self) -> None:
+        self.log.append(("replay", self.index, self.ids.copy()))
+        self.eager(torch.from_numpy(self.ids.copy()))
+
+    def wait(self) -> None:
+        self.log.append(("wait", self.index))
+
+
+def fake_capture(log: list[Any], fail: bool = False):  # type: ignore[no-untyped-def]
+    def capture(device: torch.device, num_ids: int, eager: Eager) -> list[Any]:
+        if fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        log.append(("capture", num_ids))
+        return [FakeSlot(i, num_ids, eager, log) for i in range(captured.SLOTS)]
+
+    return capture
+
+
+def setup(seed: int = 0):  # type: ignore[no-untyped-def]
+    k, v = random_kv(3, POOL_PAGES * PAGE, 2, 16, torch.bfloat16, seed)
+    staging = torch.empty(2 * 3 * COUNT * PAGE * 16 * 2, dtype=torch.uint8)
+    return k, v, staging
+
+
+def gather_via(calls: CapturedCalls, k, v, staging, pages, counter: list[int]) -> int:  # type: ignore[no-untyped-def]
+    def eager(ids: Any) -> int:
+        counter[0] += 1
+        return kernels._gather(
+            k, v, ids, staging, src_head_start=1, num_heads=1, page_size=PAGE, backend="torch"
+        )
+
+    key = ("gather", id(k), id(v), staging.data_ptr(), staging.numel(), len(pages))
+    return calls.call(
+        key, k, v, staging, lambda: kernels._host_ids(k, v, pages, PAGE), eager, pages
+    )
+
+
+def test_a_shape_is_captured_on_its_sights_then_replayed_with_each_calls_ids() -> None:
+    log: list[Any] = []
+    calls = CapturedCalls(capture=fake_capture(log), sights=2)
+    k, v, staging = setup()
+    counter = [0]
+    for step in range(10):
+        pages = random_pages(POOL_PAGES, COUNT, seed=step).tolist()
+        nbytes = gather_via(calls, k, v, staging, pages, counter)
+        expected = naive_gather(k, v, torch.tensor(pages), PAGE, 1, 1)
+        got = staging[:nbytes].view(expected.dtype).view(expected.shape)
+        assert torch.equal(got, expected), step
+    # sights 1 and 2 eager, the third eagerly then captured, seven replays
+    assert [entry[0] for entry in log].count("capture") == 1
+    assert calls.captures == 1 and calls.replays == 7
+    replays = [entry for entry in log if entry[0] == "replay"]
+    assert [entry[1] for entry in replays] == [0, 1, 2, 3, 0, 1, 2]  # the ring in turn
+    for position, entry in enumerate(log):  # each slot waited for before its ids change
+        if entry[0] == "replay":
+            assert log[position - 1] == ("wait", entry[1])
+
+
+def test_other_kv_lists_or_staging_or_a_failed_capture_go_the_eager_way(caplog) -> None:  # type: ignore[no-untyped-def]
+    log: list[Any] = []
+    calls = CapturedCalls(capture=fake_capture(log, fail=True), sights=1)
+    k, v, staging = setup()
+    counter = [0]
+    pages = random_pages(POOL_PAGES, COUNT, seed=3).tolist()
+    with caplog.at_level(logging.WARNING, logger="pdctl.staging"):
+        for _ in range(4):
+            gather_via(calls, k, v, staging, pages, counter)
+    assert counter[0] == 4 and calls.replays == 0  # the capture failed once, then eager
+    assert "could not be captured" in caplog.text
+    # the same list object with another tensor in it is another shape (checked again)
+    good = CapturedCalls(capture=fake_capture(log), sights=1)
+    counter = [0]
+    for _ in range(3):
+        gather_via(good, k, v, staging, pages, counter)
+    assert good.replays == 1
+    k[0] = k[0].clone()
+    gather_via(good, k, v, staging, pages, counter)
+    assert good.replays == 1 and counter[0] == 4  # eager (replays run it too): other buffers
+
+
+def test_a_replay_checks_the_ids_as_the_eager_call_does() -> None:
+    calls = CapturedCalls(capture=fake_capture([]), sights=1)
+    k, v, staging = setup()
+    counter = [0]
+    pages = random_pages(POOL_PAGES, COUNT, seed=5).tolist()
+    for _ in range(3):
+        gather_via(calls, k, v, staging, pages, counter)
+    assert calls.replays == 1
+    with pytest.raises(ValueError, match="appears more than once"):
+        gather_via(calls, k, v, staging, [pages[0]] * COUNT, counter)
+    with pytest.raises(ValueError, match="outside the pool"):
+        gather_via(calls, k, v, staging, [POOL_PAGES + 1, *pages[1:]], counter)
+    assert calls.replays == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_replays_are_bitwise_the_eager_calls() -> None:
+    device = torch.device("cuda", 0)
+    k, v = random_kv(5, 256 * PAGE, 4, 64, torch.bfloat16, seed=7, device=device)
+    k2, v2 = random_kv(5, 256 * PAGE, 2, 64, torch.bfloat16, seed=8, device=device)
+    staging = torch.empty(2 * 5 * 40 * PAGE * 2 * 64 * 2, dtype=torch.uint8, device=device)
+    replays = kernels.CAPTURED.replays
+    gathered, scattered, expected = [], [], []
+    for step in range(12):  # back to back: the ring's slots are rewritten while queued
+        pages = random_pages(256, 40, seed=step).pin_memory()
+        dst = random_pages(256, 40, seed=100 + step).tolist()
+        nbytes = kernels.gather_all_layers_to_staging(
+            k, v, pages, staging, src_head_start=2, num_heads=2, page_size=PAGE
+        )
+        gathered.append(staging[:nbytes].clone())
+        kernels.scatter_staging_to_kv(
+            staging, k2, v2, dst, page_size=PAGE, dst_head_start=0, num_heads=2
+        )
+        scattered.append([as_bits(t).clone() for pair in zip(k2, v2, strict=True) for t in pair])
+        expected.append((naive_gather(k, v, pages.to(device), PAGE, 2, 2), dst))
+    torch.cuda.synchronize()
+    assert kernels.CAPTURED.replays - replays >= 2 * (12 - captured.SIGHTS - 1)
+    for step, (want, dst) in enumerate(expected):
+        assert torch.equal(gathered[step].view(want.dtype).view(want.shape), want), step
+        rows = torch.tensor([p * PAGE + t for p in dst for t in range(PAGE)], device=device)
+        for layer, landed in enumerate(scattered[step]):
+            # buffer `layer` in K0, V0, K1, ... order: its [tokens, heads, dim] bits
+            assert torch.equal(landed[rows], want[layer]), (step, layer)

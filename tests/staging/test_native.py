@@ -1,0 +1,68 @@
+"""The CPU staging copy in C (`kernels.native`): built here (CI has a C compiler), used
+by the torch backend on the CPU, declining what it does not copy, checking page ids
+before the C code trusts them, and saying why when it cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdctl.staging.kernels import native
+from pdctl.staging.kernels.reference import TorchKernels
+from tests.staging.kv_factory import as_bits, random_kv
+
+
+def words(num_layers: int = 2, pool: int = 32, heads: int = 4, dim: int = 16):  # type: ignore[no-untyped-def]
+    k, v = random_kv(num_layers, pool, heads, dim, torch.bfloat16, seed=3)
+    return [
+        as_bits(b).view(torch.int64).view(pool, -1) for pair in zip(k, v, strict=True) for b in pair
+    ]
+
+
+def test_the_c_copy_is_built_and_serves_the_cpu() -> None:
+    ok, why = native.available()
+    assert ok, why
+    buffers = words()
+    pages = torch.tensor([5, 0, 9], dtype=torch.int64)
+    staging = torch.empty(len(buffers), 3 * 2, 4, dtype=torch.int64)  # page 2, 4 of 16 words
+    assert native.copy_rows(buffers, pages, 2, staging, 8, to_staging=True)
+    rows = [p * 2 + t for p in pages.tolist() for t in range(2)]
+    for b, buffer in enumerate(buffers):
+        assert torch.equal(staging[b], buffer[rows, 8:12])
+    targets = [torch.zeros_like(b) for b in buffers]
+    assert native.copy_rows(targets, pages, 2, staging, 8, to_staging=False)
+    for target, buffer in zip(targets, buffers, strict=True):
+        assert torch.equal(target[rows, 8:12], buffer[rows, 8:12])
+        untouched = torch.ones(target.shape[0], dtype=torch.bool)
+        untouched[rows] = False
+        assert not target[untouched].any() and not target[rows, :8].any()
+
+
+def test_layouts_it_does_not_copy_are_declined_untouched() -> None:
+    buffers = words()
+    staging = torch.zeros(len(buffers), 2, 4, dtype=torch.int64)
+    pages = torch.tensor([1, 2], dtype=torch.int64)
+    strided = [b[:, ::2] for b in buffers]  # rows not contiguous
+    assert not native.copy_rows(strided, pages, 1, staging, 0, to_staging=True)
+    assert not native.copy_rows(buffers, pages.int(), 1, staging, 0, to_staging=True)
+    assert not native.copy_rows(buffers, pages, 1, staging.transpose(1, 2), 0, to_staging=True)
+    assert not staging.any()
+
+
+@pytest.mark.parametrize("bad", [[32], [-1], [0, 16]])
+def test_page_ids_outside_the_pool_are_refused_before_any_copy(bad) -> None:
+    buffers = words(pool=32)
+    staging = torch.zeros(len(buffers), 2 * len(bad), 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="outside the pool"):
+        TorchKernels().gather(buffers, torch.tensor(bad, dtype=torch.int64), 2, staging, 0)
+    assert not staging.any()
+
+
+def test_a_failed_build_says_why(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PDCTL_NATIVE_DIR", str(tmp_path / "native"))
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(OSError, match="building the CPU staging copy failed"):
+        native.build()
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(OSError):
+        native.build()
