@@ -15,6 +15,7 @@ as one Triton launch (`kernels/digests.py`, bit-identical to the torch path here
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _MASK = (1 << 64) - 1
@@ -42,6 +43,21 @@ def digest_of_sum(total: int, words: int) -> int:
     """A chunk's digest from its weighted word sum (any int, taken modulo 2**64) and its
     length in words: for sums computed elsewhere (the paged digest kernel)."""
     return _mix(total & _MASK, words)
+
+
+_GOLDEN, _MIX1, _MIX2 = (
+    np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+)
+
+
+def digests_of_sums(totals: np.ndarray, words: np.ndarray) -> list[int]:
+    """`digest_of_sum` over arrays at once (int64 or uint64 sums, word counts): numpy's
+    uint64 arithmetic wraps modulo 2**64 as the mix does."""
+    with np.errstate(over="ignore"):
+        z = totals.astype(np.uint64, copy=False) ^ (words.astype(np.uint64) * _GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        return (z ^ (z >> np.uint64(31))).tolist()
 
 
 def _backend(device: torch.device, backend: str | None) -> str:

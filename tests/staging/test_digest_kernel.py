@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from pdctl.staging.digest import block_digests, chunk_digests
+from pdctl.staging.digest import (
+    block_digests,
+    chunk_digests,
+    digest_of_sum,
+    digests_of_sums,
+)
 
 CUDA = torch.cuda.is_available()
 
@@ -111,3 +119,10 @@ def test_page_digests_on_the_device_equal_the_host_ones() -> None:
     kc, vc = [t.cuda() for t in k], [t.cuda() for t in v]
     on_device = page_digests(kc, vc, pages, segments, head_start=4, num_heads=4, page_size=16)
     assert on_device == host  # the device default: one Triton launch, pages read in place
+
+
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=40), st.data())
+def test_the_mix_over_arrays_is_the_scalar_mix(sums, data) -> None:
+    words = data.draw(st.lists(st.integers(1, 2**40), min_size=len(sums), max_size=len(sums)))
+    got = digests_of_sums(np.asarray(sums, dtype=np.int64), np.asarray(words, dtype=np.uint64))
+    assert got == [digest_of_sum(s, w) for s, w in zip(sums, words, strict=True)]

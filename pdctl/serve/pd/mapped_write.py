@@ -12,10 +12,10 @@ overlaps the forward's device time. The engine's choice of the first token waits
 the stream, so the write has landed when the engine hands the room to the sender;
 the notification goes out there, on the engine's thread (`finish(inline=True)`).
 Its time is measured on the device's clock, from an event before the launch (it fires
-when the forward ends) to one recorded once the notification is sent (the stream is
-idle then, so it fires at once): everything between the KV being ready and decode
-being told. A write finished by a worker thread counts the device's span of the
-launch plus the notification's host work.
+when the forward ends) to one recorded once the notification is sent (on an idle
+stream, so it fires at once): everything between the KV being ready and decode being
+told. PDCTL_NOTIFY_ON_ENGINE=0 leaves the notification to the room's worker thread
+(`sender`), timed the same way.
 
 What this does not know: rooms, registrations' arrival, faults.
 """
@@ -105,13 +105,13 @@ class MappedWriter:
         """Wait for the write, send its notification; returns the write's seconds
         (also kept in `started.done_s`).
 
-        inline: called on the engine's thread once its stream is idle (the first
-        token chosen): the seconds run on the device's clock from the event before the
-        launch (the forward's end, when the write queued behind it) to one recorded
-        after the notification went out, so every host step in between counts.
-        Otherwise (a worker thread): the device's span of the launch, then the
-        notification's host work. (The first event fires once the stream is free: at
-        once when the launch is enqueued on an idle stream, so its host work counts.)"""
+        The seconds run on the device's clock from the event before the launch (the
+        forward's end, when the write queued behind it; the launch's own host work
+        when it went onto an idle stream) to one recorded on the calling thread's
+        stream after the notification went out. That stream is idle then (inline: the
+        engine's, once the first token is chosen; else a worker's own), so the event
+        fires at once and every host step in between counts, the worker's wake-up
+        included. inline only names the caller in the log."""
         started.ended.synchronize()  # the bytes are in decode's pool
         began_s = time.perf_counter()
         digests = [d for part in started.pending.result() for d in part]
@@ -120,15 +120,12 @@ class MappedWriter:
         )
         self.transport.notify(started.peer, notice)
         finish_s = time.perf_counter() - began_s
+        device = self.kv.k_buffers[0].device
+        notified = _timing_event(device)
+        notified.record(dev.current_device_stream(device))
+        notified.synchronize()
+        seconds = started.began.elapsed_time(notified) / 1e3
         device_s = started.began.elapsed_time(started.ended) / 1e3
-        if inline:
-            device = self.kv.k_buffers[0].device
-            notified = _timing_event(device)
-            notified.record(dev.current_device_stream(device))
-            notified.synchronize()
-            seconds = started.began.elapsed_time(notified) / 1e3
-        else:
-            seconds = device_s + finish_s
         if self.explained < EXPLAINED_ROOMS:  # the parts of the first rooms' writes, logged
             self.explained += 1
             log.info(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import ctypes
 import logging
+import os
 import queue
 import threading
 import time
@@ -51,6 +52,9 @@ from pdctl.staging.layout import HeadSlice, StagingLayout, head_slices, plan_seg
 from pdctl.staging.transport import Peer, Transport, TransportError
 
 log = logging.getLogger("pdctl.serve")
+# Early writes' notifications go out on the engine's thread once it chose the first
+# token (0: the room's worker sends them; docs/benchmarks.md compares the two).
+NOTIFY_ON_ENGINE = os.environ.get("PDCTL_NOTIFY_ON_ENGINE", "1") != "0"
 # (room, wait seconds, what to wait for) -> the room's state
 Snapshot = Callable[[int, float, RoomWait], dict[str, Any]]
 Report = Callable[[int, dict[str, Any]], None]
@@ -132,7 +136,7 @@ class KVSender:
         notified here; otherwise where decode registered and its pool is mapped here,
         they are enqueued now, and a worker finishes them."""
         job = self._prepared.pop(room) if room in self._prepared else self._try_early(room, pages)
-        if job is not None:
+        if job is not None and NOTIFY_ON_ENGINE:
             self._notify_landed(room, job)
         self.executor.submit(self._run, room, pages, num_tokens, ready, job)
 

@@ -26,7 +26,7 @@ import torch
 
 from pdctl.staging import device as dev
 from pdctl.staging.descriptors import pointer_table
-from pdctl.staging.digest import block_digests, digest_of_sum
+from pdctl.staging.digest import block_digests, digests_of_sums
 from pdctl.staging.kernels import captured
 from pdctl.staging.kernels.base import BufferCache, backend_names, default_backend, get_backend
 from pdctl.staging.kernels.captured import CapturedCalls
@@ -349,14 +349,13 @@ class PendingDigests:
             assert self.sums is not None
             if self.host is not None and self.copied is not None:
                 self.copied.synchronize()
-                sums = self.host.tolist()
+                sums = self.host.numpy()
             else:
-                sums = self.sums.tolist()
+                sums = self.sums.cpu().numpy()
             width = self.num_buffers
-            self.ready = [
-                [digest_of_sum(total, words) for total in sums[i * width : (i + 1) * width]]
-                for i, words in enumerate(self.words)
-            ]
+            lengths = np.repeat(np.asarray(self.words, dtype=np.uint64), width)
+            flat = digests_of_sums(sums[: len(lengths)], lengths)
+            self.ready = [flat[i * width : (i + 1) * width] for i in range(len(self.words))]
         return self.ready
 
 
