@@ -54,9 +54,7 @@ def setup(seed: int = 0):  # type: ignore[no-untyped-def]
 def gather_via(calls: CapturedCalls, k, v, staging, pages, counter: list[int]) -> int:  # type: ignore[no-untyped-def]
     def eager(ids: Any) -> int:
         counter[0] += 1
-        return kernels._gather(
-            k, v, ids, staging, src_head_start=1, num_heads=1, page_size=PAGE, backend="torch"
-        )
+        return kernels._gather(k, v, ids, staging, (1, 1), PAGE, "torch")
 
     key = ("gather", id(k), id(v), staging.data_ptr(), staging.numel(), len(pages))
     return calls.call(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -170,21 +170,13 @@ def gather_all_layers_to_staging(
 
     On CUDA a call that comes back the same is replayed from a graph (`captured`)."""
 
-    def eager(pages: PageIndices) -> int:
-        return _gather(
-            k_buffers, v_buffers, pages, staging,
-            src_head_start=src_head_start, num_heads=num_heads, page_size=page_size,
-            backend=backend,
-        )  # fmt: skip
+    heads = (src_head_start, num_heads)
 
-    if not _capturable(staging, page_indices):
-        return eager(page_indices)
-    key = ("gather", id(k_buffers), id(v_buffers), *_staging_key(staging), len(page_indices),
-           page_size, src_head_start, num_heads, backend)  # fmt: skip
-    return CAPTURED.call(
-        key, k_buffers, v_buffers, staging,
-        lambda: _host_ids(k_buffers, v_buffers, page_indices, page_size), eager, page_indices,
-    )  # fmt: skip
+    def eager(pages: PageIndices) -> int:
+        return _gather(k_buffers, v_buffers, pages, staging, heads, page_size, backend)
+
+    params = ("gather", *heads, backend)
+    return _replayed(params, k_buffers, v_buffers, staging, page_indices, page_size, eager)
 
 
 def _gather(
@@ -192,12 +184,11 @@ def _gather(
     v_buffers: Sequence[torch.Tensor],
     page_indices: PageIndices,
     staging: torch.Tensor,
-    *,
-    src_head_start: int,
-    num_heads: int,
+    heads: tuple[int, int],  # (first source head, how many)
     page_size: int,
     backend: str | None,
 ) -> int:
+    src_head_start, num_heads = heads
     kvset = prepare_kv(k_buffers, v_buffers)
     info = kvset.info
     _check_heads(src_head_start, num_heads, info, "source")
@@ -243,14 +234,8 @@ def scatter_staging_to_kv(
     def eager(pages: PageIndices) -> int:
         return _scatter(staging, k_buffers, v_buffers, pages, page_size, pieces, backend)
 
-    if not _capturable(staging, page_indices):
-        return eager(page_indices)
-    key = ("scatter", id(k_buffers), id(v_buffers), *_staging_key(staging), len(page_indices),
-           page_size, pieces, backend)  # fmt: skip
-    return CAPTURED.call(
-        key, k_buffers, v_buffers, staging,
-        lambda: _host_ids(k_buffers, v_buffers, page_indices, page_size), eager, page_indices,
-    )  # fmt: skip
+    params = ("scatter", pieces, backend)
+    return _replayed(params, k_buffers, v_buffers, staging, page_indices, page_size, eager)
 
 
 def _scatter(
@@ -299,8 +284,25 @@ def _capturable(staging: torch.Tensor, page_indices: PageIndices) -> bool:
     return isinstance(page_indices, (list, tuple))  # a bad list fails the eager path's check
 
 
-def _staging_key(staging: torch.Tensor) -> tuple[int, int, bool, torch.dtype]:
-    return staging.data_ptr(), staging.numel(), staging.is_contiguous(), staging.dtype
+def _replayed(
+    params: tuple[Any, ...],
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    staging: torch.Tensor,
+    page_indices: PageIndices,
+    page_size: int,
+    eager: Callable[[PageIndices], int],
+) -> int:
+    """`eager(page_indices)`, or its replay from a CUDA graph (`captured`) when the same
+    call (these KV lists, this staging memory, as many ids, `params`) came back."""
+    if not _capturable(staging, page_indices):
+        return eager(page_indices)
+    memory = (staging.data_ptr(), staging.numel(), staging.is_contiguous(), staging.dtype)
+    key = (*params, id(k_buffers), id(v_buffers), *memory, len(page_indices), page_size)
+    return CAPTURED.call(
+        key, k_buffers, v_buffers, staging,
+        lambda: _host_ids(k_buffers, v_buffers, page_indices, page_size), eager, page_indices,
+    )  # fmt: skip
 
 
 def _host_ids(
