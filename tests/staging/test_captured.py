@@ -13,6 +13,7 @@ import torch
 
 from pdctl.staging import kernels
 from pdctl.staging.kernels import captured
+from pdctl.staging.kernels.base import BufferCache, keeping
 from pdctl.staging.kernels.captured import CapturedCalls, Eager
 from tests.staging.kv_factory import as_bits, naive_gather, random_kv, random_pages
 
@@ -149,3 +150,18 @@ def test_cuda_replays_are_bitwise_the_eager_calls() -> None:
         for layer, landed in enumerate(scattered[step]):
             # buffer `layer` in K0, V0, K1, ... order: its [tokens, heads, dim] bits
             assert torch.equal(landed[rows], want[layer]), (step, layer)
+
+
+def test_what_caches_hand_out_during_a_capture_is_kept_with_it() -> None:
+    """A captured graph reads the pointer tables its kernels were given: while the
+    graph lives they must, whatever the caches evict meanwhile."""
+    cache = BufferCache(lambda buffers: torch.tensor([b.data_ptr() for b in buffers]), size=1)
+    first, second = [torch.zeros(2)], [torch.zeros(2)]
+    outside = cache.get(first)
+    with keeping() as kept:
+        table = cache.get(first)
+        inner = cache.get(second)  # evicts `first`'s entry (size 1)
+    assert table is outside and kept == [table, inner]
+    assert cache.get(first) is not table  # rebuilt: only `kept` holds the old one now
+    cache.get(second)
+    assert kept == [table, inner]  # nothing handed out after the block is added

@@ -20,12 +20,31 @@ import importlib
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import ClassVar, Generic, TypeVar
 
 import torch
 
 T = TypeVar("T")
+
+
+_KEEPING = threading.local()
+
+
+@contextmanager
+def keeping() -> Iterator[list[object]]:
+    """Every value a BufferCache hands out on this thread meanwhile, kept in the list:
+    a CUDA graph captured meanwhile holds their device addresses (pointer tables), so
+    whoever keeps the graph keeps the list, and a cache's eviction frees nothing the
+    graph still reads."""
+    kept: list[object] = []
+    previous = getattr(_KEEPING, "kept", None)
+    _KEEPING.kept = kept
+    try:
+        yield kept
+    finally:
+        _KEEPING.kept = previous
 
 
 class BufferCache(Generic[T]):
@@ -43,6 +62,13 @@ class BufferCache(Generic[T]):
         self._lock = threading.Lock()
 
     def get(self, buffers: Sequence[torch.Tensor]) -> T:
+        value = self._get(buffers)
+        kept = getattr(_KEEPING, "kept", None)
+        if kept is not None:
+            kept.append(value)
+        return value
+
+    def _get(self, buffers: Sequence[torch.Tensor]) -> T:
         key = id(buffers)
         with self._lock:
             entry = self._entries.get(key)

@@ -34,6 +34,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from pdctl.staging.kernels.base import keeping
+
 log = logging.getLogger("pdctl.staging")
 
 SIGHTS = 3  # eager calls of a shape before the next one captures it
@@ -94,7 +96,7 @@ class CudaSlot:
         capturing = torch.cuda.graph(  # cuda-only: graphs are CUDA's
             self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"
         )
-        with capturing:
+        with keeping() as self.kept, capturing:  # the pointer tables it reads stay alive
             self.device_ids.copy_(self.pinned, non_blocking=True)
             eager(self.device_ids)
 
