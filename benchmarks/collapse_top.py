@@ -12,7 +12,9 @@ def main() -> None:
     own: collections.Counter[str] = collections.Counter()
     total: collections.Counter[str] = collections.Counter()
     samples = 0
-    for line in open(path, encoding="utf-8"):
+    with open(path, encoding="utf-8") as lines:
+        collapsed = lines.read().splitlines()
+    for line in collapsed:
         stack, _, count = line.rstrip().rpartition(" ")
         if not stack:
             continue

@@ -7,16 +7,21 @@ page 16; 2048 tokens are 128 MiB of KV). Prefill's pool is here, decode's pool i
 peer process's registered buffer on the same device, as `KVSender._direct` sees them.
 Each row is a median of 30 (microseconds): building the descriptors, the page digests,
 the transport's checks, the write with and without its notification, and a device
-copy of the same bytes (the bound `pdctl bench pd` compares with). `--scatter`
+copy of the same bytes (the bound `pdctl bench pd` compares with), then the mapped
+write's host time to enqueue, replayed from a CUDA graph and eager, alone and with a
+thread contending for the GIL (as a server's HTTP side does). `--scatter`
 shuffles the pages on both sides (no two pages adjacent: nothing merges).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import statistics
+import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -47,6 +52,43 @@ def median_us(function: Callable[[], object], sync: Callable[[], None], repeats:
         sync()
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e6
+
+
+def enqueue_us(
+    function: Callable[[], object], sync: Callable[[], None], repeats: int = 30
+) -> float:
+    """The host's time to enqueue one call (median), the device drained between calls."""
+    for _ in range(3):
+        function()
+    sync()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - started)
+        sync()
+    return statistics.median(times) * 1e6
+
+
+class Contender:
+    """A thread that keeps wanting the GIL (pure Python work, as a server's HTTP side),
+    so that every call releasing it pays for getting it back."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        while not self.stop.is_set():
+            sum(range(2000))
+
+    def __enter__(self) -> Contender:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 def device_us(device: torch.device, function: Callable[[], object], count: int = 10) -> float:
@@ -189,6 +231,23 @@ def main() -> None:
                 print("  device time (queued behind a sleeping kernel):")
                 for name, function in kernels.items():
                     print(f"    {name:<46} {device_us(device, function):9.1f} us", flush=True)
+            if probe is not None:  # the enqueue alone: replayed from a graph, eager, contended
+                from pdctl.staging.kernels import captured
+
+                sys.setswitchinterval(0.0005)  # as the PD servers run
+                print("  mapped write, host time to enqueue (the device drained between calls):")
+                for contended in (False, True):
+                    for graphs in (True, False):
+                        captured.ENABLED = graphs
+                        with Contender() if contended else contextlib.nullcontext():
+                            each = enqueue_us(start_mapped, sync)
+                        print(
+                            f"    {'graphs' if graphs else 'eager':<7}"
+                            f"{', a thread contending for the GIL' if contended else '':<36}"
+                            f" {each:9.1f} us",
+                            flush=True,
+                        )
+                captured.ENABLED = True
             if args.profile:
                 profile = cProfile.Profile()
                 profile.enable()

@@ -28,16 +28,16 @@ class FakeSlot:
         self.index, self.eager, self.log = index, eager, log
         self.ids = np.zeros(num_ids, dtype=np.int64)
 
-    def replay(self) -> None:
+    def replay(self) -> Any:
         self.log.append(("replay", self.index, self.ids.copy()))
-        self.eager(torch.from_numpy(self.ids.copy()))
+        return self.eager(torch.from_numpy(self.ids.copy()))
 
     def wait(self) -> None:
         self.log.append(("wait", self.index))
 
 
 def fake_capture(log: list[Any], fail: bool = False):  # type: ignore[no-untyped-def]
-    def capture(device: torch.device, num_ids: int, eager: Eager) -> list[Any]:
+    def capture(device: torch.device, num_ids: int, eager: Eager, first: Any) -> list[Any]:
         if fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         log.append(("capture", num_ids))
@@ -59,7 +59,7 @@ def gather_via(calls: CapturedCalls, k, v, staging, pages, counter: list[int]) -
 
     key = ("gather", id(k), id(v), staging.data_ptr(), staging.numel(), len(pages))
     return calls.call(
-        key, k, v, staging, lambda: kernels._host_ids(k, v, pages, PAGE), eager, pages
+        key, (k, v), staging.device, lambda: kernels._host_ids(k, v, pages, PAGE), eager, pages
     )
 
 

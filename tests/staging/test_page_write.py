@@ -140,3 +140,43 @@ def test_page_write_on_the_device_equals_the_host_reference() -> None:
     assert digests == page_digests(k, v, pages, segments, head_start=4, num_heads=4, page_size=16)
     for landed, wanted in zip(device_target, host_target, strict=True):
         assert torch.equal(as_bits(landed.cpu()), as_bits(wanted))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
+def test_replayed_writes_land_their_own_bytes_and_digests() -> None:
+    """A write that comes back the same is replayed from a CUDA graph (`WRITES`): each
+    replay lands its own pages, and digests handed out but not yet read when the ring
+    of slots comes round are still their own write's."""
+    from pdctl.staging.kernels import captured
+    from pdctl.staging.kernels.page_write import WRITES
+
+    k, v = random_kv(4, 64 * 16, 8, 128, torch.bfloat16, 11, "cpu")
+    kc, vc = [t.cuda() for t in k], [t.cuda() for t in v]
+    device_target = [b.cuda() for b in _target(4, 64, 16, 8, 128, torch.bfloat16, "cpu")]
+    segments = [(0, 8), (8, 4)]
+    replays = WRITES.replays
+
+    def write(seed: int):  # type: ignore[no-untyped-def]
+        pages, dst_pages = random_pages(64, 12, seed), random_pages(64, 12, seed + 1000)
+        pending = start_page_write(
+            kc, vc, pages, PeerPages(device_target, dst_pages, 2), segments, head_start=2,
+            num_heads=4, page_size=16,
+        )  # fmt: skip
+        expected = page_digests(k, v, pages, segments, head_start=2, num_heads=4, page_size=16)
+        return pending, expected, pages, dst_pages
+
+    for seed in range(8):  # read at once: the bytes of each write are checked
+        pending, expected, pages, dst_pages = write(seed)
+        assert pending.result() == expected, seed
+        rows = torch.cat([torch.arange(p * 16, (p + 1) * 16) for p in dst_pages.tolist()])
+        src_rows = torch.cat([torch.arange(p * 16, (p + 1) * 16) for p in pages.tolist()])
+        sources = [b for pair in zip(k, v, strict=True) for b in pair]
+        for landed, source in zip(device_target, sources, strict=True):
+            assert torch.equal(as_bits(landed.cpu()[rows, 2:6]), as_bits(source[src_rows, 2:6])), (
+                seed
+            )
+    unread = [write(100 + seed) for seed in range(3 * captured.SLOTS)]  # round the ring thrice
+    for index, (pending, expected, _, _) in enumerate(unread):
+        assert pending.result() == expected, index
+    assert WRITES.replays - replays >= 3 * captured.SLOTS

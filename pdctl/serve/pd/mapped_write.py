@@ -8,14 +8,15 @@ stream and returns at once; `finish` waits for it and sends the notification.
 The sender starts a room's writes on the engine's thread as soon as the forward
 that computes the prompt's last piece is enqueued, when decode registered by then:
 the launch queues right behind the forward on the engine's stream, and its host work
-overlaps the forward's device time. The engine's choice of the first token waits for
-the stream, so the write has landed when the engine hands the room to the sender;
-the notification goes out there, on the engine's thread (`finish(inline=True)`).
-Its time is measured on the device's clock, from an event before the launch (it fires
-when the forward ends) to one recorded once the notification is sent (on an idle
-stream, so it fires at once): everything between the KV being ready and decode being
-told. PDCTL_NOTIFY_ON_ENGINE=0 leaves the notification to the room's worker thread
-(`sender`), timed the same way.
+overlaps the forward's device time (a write that comes back the same is a CUDA
+graph's replay, `kernels.page_write.WRITES`). The engine's thread then waits for the
+write and sends the notification (`finish(inline=True)`) before it chooses the first
+token, so decode checks its pages while prefill samples. Its time is measured on the
+device's clock, from an event before the launch (it fires when the forward ends) to
+one recorded once the notification is sent (on an idle stream, so it fires at once):
+everything between the KV being ready and decode being told. PDCTL_NOTIFY_AT=token
+sends it once the token is chosen, PDCTL_NOTIFY_AT=worker from the room's worker
+thread (`sender`), timed the same way.
 
 What this does not know: rooms, registrations' arrival, faults.
 """

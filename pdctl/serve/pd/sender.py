@@ -52,9 +52,14 @@ from pdctl.staging.layout import HeadSlice, StagingLayout, head_slices, plan_seg
 from pdctl.staging.transport import Peer, Transport, TransportError
 
 log = logging.getLogger("pdctl.serve")
-# Early writes' notifications go out on the engine's thread once it chose the first
-# token (0: the room's worker sends them; docs/benchmarks.md compares the two).
-NOTIFY_ON_ENGINE = os.environ.get("PDCTL_NOTIFY_ON_ENGINE", "1") != "0"
+# Where an early write's notification goes out: "write", on the engine's thread as soon
+# as the write landed (before the first token is chosen, so decode checks its pages
+# while prefill samples); "token", on the engine's thread once the token is chosen;
+# "worker", from the room's worker thread. docs/benchmarks.md compares them.
+NOTIFY_AT = os.environ.get("PDCTL_NOTIFY_AT", "write")
+if NOTIFY_AT not in ("write", "token", "worker"):
+    log.warning("PDCTL_NOTIFY_AT=%s is not write, token or worker: using write", NOTIFY_AT)
+    NOTIFY_AT = "write"
 # (room, wait seconds, what to wait for) -> the room's state
 Snapshot = Callable[[int, float, RoomWait], dict[str, Any]]
 Report = Callable[[int, dict[str, Any]], None]
@@ -125,8 +130,13 @@ class KVSender:
 
         Called on the engine's thread: where decode already registered and its pool is
         mapped here, the writes queue now behind that forward on the engine's stream
-        (`mapped_write`), their host work overlapping the forward's device time."""
-        self._prepared[room] = self._try_early(room, pages)
+        (`mapped_write`), their host work overlapping the forward's device time. With
+        NOTIFY_AT "write" the engine's thread then waits for them (the forward's end
+        and the write's own device time) and notifies decode before the first token
+        is chosen."""
+        job = self._prepared[room] = self._try_early(room, pages)
+        if job is not None and NOTIFY_AT == "write":
+            self._notify_landed(room, job, wait=True)
 
     def send(self, room: int, pages: list[int], num_tokens: int, ready: Any) -> None:
         """Start sending `room` (pages hold the prompt's KV once `ready` completes).
@@ -136,7 +146,7 @@ class KVSender:
         notified here; otherwise where decode registered and its pool is mapped here,
         they are enqueued now, and a worker finishes them."""
         job = self._prepared.pop(room) if room in self._prepared else self._try_early(room, pages)
-        if job is not None and NOTIFY_ON_ENGINE:
+        if job is not None and NOTIFY_AT != "worker":
             self._notify_landed(room, job)
         self.executor.submit(self._run, room, pages, num_tokens, ready, job)
 
@@ -151,11 +161,12 @@ class KVSender:
             log.exception("room %s: an early write could not start", room)
             return None
 
-    def _notify_landed(self, room: int, job: RoomJob) -> None:
-        """Notify the early writes the stream has passed (on the caller's thread); a
-        failure leaves the write to the worker, which reports it."""
+    def _notify_landed(self, room: int, job: RoomJob, wait: bool = False) -> None:
+        """Notify the early writes the stream has passed (wait: every one, once it
+        landed), on the caller's thread; a failure leaves the write to the worker,
+        which reports it."""
         for decode_rank, started in job.early.items():
-            if started.done_s is not None or not started.ended.query():
+            if started.done_s is not None or not (wait or started.ended.query()):
                 continue
             try:
                 self.mapped.finish(started, inline=True)

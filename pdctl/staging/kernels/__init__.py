@@ -270,7 +270,7 @@ def _scatter(
     return offset
 
 
-CAPTURED = CapturedCalls()
+CAPTURED: CapturedCalls[int] = CapturedCalls()
 
 
 def _capturable(staging: torch.Tensor, page_indices: PageIndices) -> bool:
@@ -300,7 +300,7 @@ def _replayed(
     memory = (staging.data_ptr(), staging.numel(), staging.is_contiguous(), staging.dtype)
     key = (*params, id(k_buffers), id(v_buffers), *memory, len(page_indices), page_size)
     return CAPTURED.call(
-        key, k_buffers, v_buffers, staging,
+        key, (k_buffers, v_buffers), staging.device,
         lambda: _host_ids(k_buffers, v_buffers, page_indices, page_size), eager, page_indices,
     )  # fmt: skip
 

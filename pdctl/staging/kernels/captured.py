@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -43,47 +43,45 @@ SLOTS = 4  # graphs per shape, replayed in turn
 MAX_SHAPES = 32  # per thread; the least recently used shape is dropped
 ENABLED = os.environ.get("PDCTL_STAGING_GRAPHS", "1") != "0"
 
-Eager = Callable[[Any], int]  # the checked call on these page ids (host or device); bytes
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+Eager = Callable[[Any], Any]  # the checked call on these ids (host or device) -> its value
+Named = Sequence[Sequence[torch.Tensor]]  # the tensor lists a call reads and writes
 
 
-class Slot(Protocol):
-    ids: np.ndarray  # the replay's page ids, written by the host before `replay`
+class Slot(Protocol[T_co]):
+    ids: np.ndarray  # the replay's ids, written by the host before `replay`
 
-    def replay(self) -> None: ...
+    def replay(self) -> T_co: ...
 
     def wait(self) -> None:
         """Until the device passed this slot's last replay (its ids were read)."""
 
 
-Capture = Callable[[torch.device, int, Eager], list[Slot]]
+# (device, number of ids, the eager call, the value its eager call gave) -> the slots
+Capture = Callable[[torch.device, int, Eager, Any], list[Slot[Any]]]
 
 
 @dataclass
 class _Shape:
-    k_buffers: tuple[torch.Tensor, ...]
-    v_buffers: tuple[torch.Tensor, ...]
-    nbytes: int
+    named: tuple[tuple[torch.Tensor, ...], ...]
     sights: int = 1
-    slots: list[Slot] = field(default_factory=list)
+    slots: list[Slot[Any]] = field(default_factory=list)
     next: int = 0
     failed: bool = False
 
-    def names(self, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor]) -> bool:
-        return (
-            len(self.k_buffers) == len(k_buffers)
-            and len(self.v_buffers) == len(v_buffers)
-            and all(map(_same, self.k_buffers, k_buffers))
-            and all(map(_same, self.v_buffers, v_buffers))
+    def names(self, named: Named) -> bool:
+        """The same tensors, by identity (a graph holds their addresses)."""
+        return len(self.named) == len(named) and all(
+            len(mine) == len(theirs) and all(a is b for a, b in zip(mine, theirs, strict=True))
+            for mine, theirs in zip(self.named, named, strict=True)
         )
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a is b
 
 
 class CudaSlot:
     """One captured graph: its pinned ids, the device ids it uploads them to, and the
-    event behind its last replay."""
+    event behind its last replay. A replay gives the value the captured call gave
+    (`body`; for a gather or scatter its byte count, the same on every replay)."""
 
     def __init__(self, device: torch.device, num_ids: int, eager: Eager, pool: Any) -> None:
         self.pinned = torch.empty(num_ids, dtype=torch.int64, pin_memory=True)
@@ -98,25 +96,35 @@ class CudaSlot:
         )
         with keeping() as self.kept, capturing:  # the pointer tables it reads stay alive
             self.device_ids.copy_(self.pinned, non_blocking=True)
-            eager(self.device_ids)
+            self.value = self.body(eager, self.device_ids)
 
-    def replay(self) -> None:
+    def body(self, eager: Eager, device_ids: torch.Tensor) -> Any:
+        """What the graph holds, run once under capture: the call on the device ids."""
+        return eager(device_ids)
+
+    def replay(self) -> Any:
         self.graph.replay()
         self.done.record()
         self.used = True
+        return self.value
 
     def wait(self) -> None:
         if self.used:
             self.done.synchronize()
 
 
-def capture_cuda(device: torch.device, num_ids: int, eager: Eager) -> list[Slot]:
+def capture_cuda(device: torch.device, num_ids: int, eager: Eager, first: Any) -> list[Slot[Any]]:
+    return capture_slots(device, lambda pool: CudaSlot(device, num_ids, eager, pool))
+
+
+def capture_slots(device: torch.device, slot: Callable[[Any], Slot[Any]]) -> list[Slot[Any]]:
+    """SLOTS graphs of one shape, `slot(pool)` each, sharing one memory pool."""
     with torch.cuda.device(device):  # cuda-only: graphs are CUDA's
         pool = torch.cuda.graph_pool_handle()  # cuda-only: graphs are CUDA's
-        return [CudaSlot(device, num_ids, eager, pool) for _ in range(SLOTS)]
+        return [slot(pool) for _ in range(SLOTS)]
 
 
-class CapturedCalls:
+class CapturedCalls(Generic[T]):
     """`call(key, ...)`: the checked call `eager`, replayed from a graph once its shape
     came back SIGHTS times (see the module's docstring)."""
 
@@ -136,45 +144,47 @@ class CapturedCalls:
     def call(
         self,
         key: tuple[Any, ...],
-        k_buffers: Sequence[torch.Tensor],
-        v_buffers: Sequence[torch.Tensor],
-        staging: torch.Tensor,
+        named: Named,
+        device: torch.device,
         host_ids: Callable[[], np.ndarray],
-        eager: Eager,
-        page_indices: Any,
-    ) -> int:
-        """`eager(page_indices)`, or its replay. `host_ids()` checks the ids (raising
-        as the eager path does) and returns them as int64 numpy."""
+        eager: Callable[[Any], T],
+        ids: Any,
+    ) -> T:
+        """`eager(ids)`, or its replay. `named`: the tensor lists the call reads and
+        writes (a shape replays only with these very tensors); `host_ids()` checks the
+        ids (raising as the eager path does) and returns them as int64 numpy."""
         shapes = self._shapes()
         shape = shapes.get(key)
-        if shape is None or not shape.names(k_buffers, v_buffers):
-            nbytes = eager(page_indices)  # checks every argument
-            shapes[key] = _Shape(tuple(k_buffers), tuple(v_buffers), nbytes)
+        if shape is None or not shape.names(named):
+            value = eager(ids)  # checks every argument
+            shapes[key] = _Shape(tuple(tuple(tensors) for tensors in named))
             if len(shapes) > MAX_SHAPES:
                 shapes.popitem(last=False)
-            return nbytes
+            return value
         shapes.move_to_end(key)
         if shape.failed or shape.sights < self._sights:
             shape.sights += 1
-            return eager(page_indices)
-        ids = host_ids()
+            return eager(ids)
+        checked = host_ids()
         if not shape.slots:
-            return self._first(shape, ids, eager, staging.device)
+            return self._first(shape, checked, eager, device)
         slot = shape.slots[shape.next]
         shape.next = (shape.next + 1) % len(shape.slots)
         slot.wait()
-        slot.ids[:] = ids
-        slot.replay()
+        slot.ids[:] = checked
+        replayed: T = slot.replay()
         self.replays += 1
-        return shape.nbytes
+        return replayed
 
-    def _first(self, shape: _Shape, ids: np.ndarray, eager: Eager, device: torch.device) -> int:
+    def _first(
+        self, shape: _Shape, ids: np.ndarray, eager: Callable[[Any], T], device: torch.device
+    ) -> T:
         """This call eagerly, then the shape's capture (which runs nothing)."""
-        nbytes = eager(ids)
+        value = eager(ids)
         try:
-            shape.slots = self._capture(device, len(ids), eager)
+            shape.slots = self._capture(device, len(ids), eager, value)
             self.captures += 1
         except Exception as exc:  # the shape goes the eager way from now on
             shape.failed = True
             log.warning("staging: a call shape could not be captured as a graph: %s", exc)
-        return nbytes
+        return value

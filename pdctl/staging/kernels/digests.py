@@ -13,6 +13,7 @@ do not depend on their order, so the values are bit-identical to the torch path
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,7 @@ def launch_page_digest_sums(
     page_size: int,
     num_cols: int,
     target: PageRows | None = None,
+    described: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per segment (page_start, num_pages), each buffer's weighted sum over the int32
     words of columns [col_start, +num_cols) of the segment's token rows, as a
@@ -152,17 +154,23 @@ def launch_page_digest_sums(
     with the source's one for one) by the same launch.
 
     The segment table and page ids go up in one copy; nothing here waits for the device.
+    `described`: the segment table already on the device ([segments * 2] int64, each
+    segment's first token and its tokens), with page ids already there too (so that
+    nothing is uploaded: what a CUDA graph of the launch needs).
     """
     device = source.table.device
     block_c = min(1 << (num_cols - 1).bit_length(), 1024)  # (plain integers: no Triton call)
     block_t = max(1, min(4096 // block_c, 256))
     longest = max(num_pages for _, num_pages in segments) * page_size
     blocks = -(-longest // block_t)
-    flat = np.array(segments, dtype=np.int64).reshape(-1, 2)
-    flat[:, 1] *= page_size
-    described, pages, dst_pages = _upload(
-        device, [flat.reshape(-1), source.pages, None if target is None else target.pages]
-    )
+    target_pages = None if target is None else target.pages
+    if described is None:
+        described, pages, dst_pages = _upload(
+            device,
+            [segment_table(segments, page_size), source.pages, target_pages],
+        )
+    else:
+        pages, dst_pages = source.pages, target_pages
     slots = len(segments) * num_buffers
     partial = torch.empty(slots, blocks, dtype=torch.int64, device=device)  # every one written
     if target is None:
@@ -180,6 +188,13 @@ def launch_page_digest_sums(
     with dev.device_context(device):  # Triton launches on the thread's current device
         _PAGE_DIGESTS((slots, blocks, 1), pointers, ints, constexprs, 8)
     return partial.sum(dim=1)
+
+
+def segment_table(segments: Sequence[tuple[int, int]], page_size: int) -> np.ndarray:
+    """Each segment (page_start, num_pages) as (its first token, its tokens), flat int64."""
+    flat = np.array(segments, dtype=np.int64).reshape(-1, 2)
+    flat[:, 1] *= page_size
+    return flat.reshape(-1)
 
 
 def _upload(device: torch.device, parts: list[np.ndarray | torch.Tensor | None]) -> list[Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,10 +33,12 @@ from pdctl.staging.kernels import (
     _backend_for,
     _check_heads,
     _check_host_pages,
+    captured,
     check_segments,
     prepare_kv,
     start_page_digests,
 )
+from pdctl.staging.kernels.captured import CapturedCalls, CudaSlot, Eager, capture_slots
 from pdctl.staging.kernels.kvset import KVInfo
 
 
@@ -174,22 +177,107 @@ def _launch(
     col_starts: tuple[int, int],
     num_cols: int,
 ) -> PendingDigests:
-    """The Triton path: source and target (page ids, first int32 column) in one launch."""
-    pages, dst_pages = page_lists
-    from pdctl.staging.kernels.digests import PageRows, launch_page_digest_sums
+    """The Triton path: source and target (page ids, first int32 column) in one launch.
 
-    source = PageRows(
-        _DIGEST_TABLES.get(views), pages, views[0].shape[1], col_starts[0], _ALIGNED.get(views)
-    )
-    target = PageRows(
-        checked.table, dst_pages, checked.views[0].shape[1], col_starts[1], checked.aligned
-    )
-    sums = launch_page_digest_sums(
-        source, list(segments), num_buffers=len(views), page_size=page_size, num_cols=num_cols,
-        target=target,
-    )  # fmt: skip
+    Host page ids on CUDA go through `WRITES`: a write that comes back the same (these
+    KV lists, this target, as many pages, the same segments) is replayed from a CUDA
+    graph holding the ids' upload, the launch, the sums and their copy to pinned host
+    memory, so its host work is a copy of the ids and one graph launch."""
+    from pdctl.staging.kernels.digests import PageRows, launch_page_digest_sums, segment_table
+
+    pages, dst_pages = page_lists
+    device = views[0].device
+    segments = list(segments)
     words = [count * page_size * num_cols for _, count in segments]
-    return PendingDigests(sums, words, len(views))
+
+    def launch(tables: tuple[torch.Tensor | None, Any, Any]) -> PendingDigests:
+        described, src, dst = tables
+        source = PageRows(
+            _DIGEST_TABLES.get(views), src, views[0].shape[1], col_starts[0], _ALIGNED.get(views)
+        )
+        target = PageRows(
+            checked.table, dst, checked.views[0].shape[1], col_starts[1], checked.aligned
+        )
+        sums = launch_page_digest_sums(
+            source, segments, num_buffers=len(views), page_size=page_size, num_cols=num_cols,
+            target=target, described=described,
+        )  # fmt: skip
+        return PendingDigests(sums, words, len(views))
+
+    if not (_capturable(device) and isinstance(pages, np.ndarray)):
+        return launch((None, pages, dst_pages))
+    assert isinstance(dst_pages, np.ndarray)  # both host ids, or both device ones
+    joined, parts = _joined([segment_table(segments, page_size), pages, dst_pages])
+
+    def eager(ids: np.ndarray | torch.Tensor) -> PendingDigests:
+        on_device = ids if isinstance(ids, torch.Tensor) else _uploaded(ids, device)
+        described, src, dst = (on_device[start:end] for start, end in parts)
+        return launch((described, src, dst))
+
+    key = (page_size, tuple(segments), len(pages), col_starts, num_cols)
+    return WRITES.call(key, (views, checked.views), device, lambda: joined, eager, joined)
+
+
+class WriteSlot(CudaSlot):
+    """A captured write: the graph also copies the sums to this slot's pinned host
+    memory. A replay hands out digests that read it; before the slot is written again,
+    the last ones it handed out are read (so a new replay never overwrites sums a
+    caller has yet to see)."""
+
+    def __init__(self, device: torch.device, num_ids: int, eager: Eager, pool: Any, sums: int):
+        self.host = torch.empty(sums, dtype=torch.int64, pin_memory=True)
+        self.last: PendingDigests | None = None
+        super().__init__(device, num_ids, eager, pool)
+
+    def body(self, eager: Eager, device_ids: torch.Tensor) -> Any:
+        pending = eager(device_ids)
+        assert pending.sums is not None
+        self.host.copy_(pending.sums, non_blocking=True)
+        return pending
+
+    def replay(self) -> PendingDigests:
+        captured = super().replay()
+        self.last = PendingDigests(
+            captured.sums, captured.words, captured.num_buffers, host=self.host, copied=self.done
+        )
+        return self.last
+
+    def wait(self) -> None:
+        if self.last is not None and self.last.ready is None:
+            self.last.result()  # its sums, read before this slot's next replay
+        super().wait()
+
+
+def _capture_writes(
+    device: torch.device, num_ids: int, eager: Eager, first: PendingDigests
+) -> list[Any]:
+    assert first.sums is not None
+    sums = first.sums.numel()
+    return capture_slots(device, lambda pool: WriteSlot(device, num_ids, eager, pool, sums))
+
+
+WRITES: CapturedCalls[PendingDigests] = CapturedCalls(capture=_capture_writes)
+
+
+def _capturable(device: torch.device) -> bool:
+    return captured.ENABLED and device.type == "cuda"
+
+
+def _joined(parts: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The int64 arrays end to end, each from an even offset (16 bytes, the alignment
+    Triton compiles pointers for), and each one's [start, end)."""
+    sizes = [len(part) + len(part) % 2 for part in parts]
+    joined = np.zeros(sum(sizes), dtype=np.int64)
+    spans, offset = [], 0
+    for part, size in zip(parts, sizes, strict=True):
+        joined[offset : offset + len(part)] = part
+        spans.append((offset, offset + len(part)))
+        offset += size
+    return joined, spans
+
+
+def _uploaded(ids: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(ids).to(device, non_blocking=True)
 
 
 def _page_ids(pages: PageIndices, num_pages: int) -> np.ndarray | torch.Tensor:
