@@ -13,8 +13,26 @@ from pdctl.serve.ranks import first_of_many, spawn_ranks
 # KV transfer threads (prefill's senders, decode's receivers) run beside the engine's
 # loop, which holds the GIL between kernels; every torch call or socket write they make
 # gives the GIL up and waits for it again, by default up to 5 ms each (CPython's switch
-# interval). A PD server hands it over sooner, so a write is not ms of waiting in turn.
+# interval). A PD server hands it over sooner, so a write is not ms of waiting in turn
+# (PDCTL_SWITCH_INTERVAL_US sets it, in microseconds; docs/benchmarks.md compares).
 TRANSFER_SWITCH_INTERVAL_S = 0.0005
+
+
+def switch_interval_s(environ: dict[str, str]) -> float:
+    """The PD servers' GIL switch interval: PDCTL_SWITCH_INTERVAL_US, else 500 us."""
+    text = environ.get("PDCTL_SWITCH_INTERVAL_US")
+    if text is None:
+        return TRANSFER_SWITCH_INTERVAL_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 1.0 <= value <= 1e6:
+        raise SystemExit(
+            f"PDCTL_SWITCH_INTERVAL_US={text!r}: give microseconds between 1 and 1000000"
+        )
+    return value / 1e6
+
 
 ROLES = {
     "colocated": "pdctl.serve.roles.colocated",
@@ -39,7 +57,7 @@ def main(argv: list[str]) -> None:
     from pdctl.serve.runtime import start_rank
 
     if args.role in ("prefill", "decode"):
-        sys.setswitchinterval(TRANSFER_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(switch_interval_s(dict(os.environ)))
     role = importlib.import_module(ROLES[args.role])
     try:
         rank = start_rank(args, argv, children)

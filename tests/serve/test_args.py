@@ -50,3 +50,21 @@ def test_a_bad_cuda_graphs_variable_is_refused(monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit):
         parse([*BASE, "--no-cuda-graphs"])  # checked even when the flag turns them off
     assert "PDCTL_CUDA_GRAPHS takes 0 or 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [({}, 0.0005), ({"PDCTL_SWITCH_INTERVAL_US": "100"}, 0.0001)],
+)
+def test_the_pd_servers_switch_interval(environ, expected) -> None:  # type: ignore[no-untyped-def]
+    from pdctl.serve.__main__ import switch_interval_s
+
+    assert switch_interval_s(environ) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["0", "fast", "-5", "2000000"])
+def test_a_bad_switch_interval_is_refused_naming_the_variable(text) -> None:  # type: ignore[no-untyped-def]
+    from pdctl.serve.__main__ import switch_interval_s
+
+    with pytest.raises(SystemExit, match="PDCTL_SWITCH_INTERVAL_US"):
+        switch_interval_s({"PDCTL_SWITCH_INTERVAL_US": text})

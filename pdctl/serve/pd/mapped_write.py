@@ -33,6 +33,7 @@ import torch
 from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.pd import protocol as proto
 from pdctl.staging import device as dev
+from pdctl.staging import held
 from pdctl.staging.kernels import PendingDigests
 from pdctl.staging.kernels.page_write import PeerPages, start_page_write
 from pdctl.staging.layout import StagingLayout, plan_segments
@@ -140,5 +141,9 @@ class MappedWriter:
 
 
 def _timing_event(device: torch.device) -> Any:
+    """A timing event; on CUDA one whose record keeps the GIL (`staging.held`)."""
+    event = held.held_event(device)
+    if event is not None:
+        return event
     module = dev.get_device_module(device)
     return module.Event(enable_timing=True)

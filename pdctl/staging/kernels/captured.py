@@ -34,6 +34,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 import torch
 
+from pdctl.staging import held
 from pdctl.staging.kernels.base import keeping
 
 log = logging.getLogger("pdctl.staging")
@@ -87,7 +88,9 @@ class CudaSlot:
         self.pinned = torch.empty(num_ids, dtype=torch.int64, pin_memory=True)
         self.ids = self.pinned.numpy()
         self.device_ids = torch.empty(num_ids, dtype=torch.int64, device=device)
-        self.done = torch.cuda.Event()  # cuda-only: graphs are CUDA's
+        self.device = device
+        # cuda-only: graphs are CUDA's
+        self.done: Any = held.held_event(device) or torch.cuda.Event()
         self.used = False
         self.graph = torch.cuda.CUDAGraph()  # cuda-only: graphs are CUDA's
         stream = torch.cuda.Stream(device)  # cuda-only: graphs are CUDA's
@@ -103,8 +106,12 @@ class CudaSlot:
         return eager(device_ids)
 
     def replay(self) -> Any:
-        self.graph.replay()
-        self.done.record()
+        """The graph launched on the current stream, keeping the GIL where the driver
+        is at hand (`staging.held`), and the event behind it recorded."""
+        stream = torch.cuda.current_stream(self.device)  # cuda-only: graphs are CUDA's
+        if not held.launch_graph(self.graph, stream):
+            self.graph.replay()
+        self.done.record(stream)
         self.used = True
         return self.value
 

@@ -1,0 +1,158 @@
+"""CUDA calls that keep the GIL: an event's record and query, a graph's launch.
+
+In a server whose HTTP side runs on other threads, every call that releases the GIL
+costs the caller getting it back: up to the switch interval each time, when another
+thread was waiting for it. The mapped write's enqueue, a few such calls, measured
+0.3 ms alone and 4.9 ms with one thread contending for the GIL on the H200 host
+(`benchmarks/pd_write_profile.py`). The calls here take microseconds and never
+block, so they go to the CUDA driver through `ctypes.PyDLL`, which keeps the GIL.
+A wait that may block (`HeldEvent.synchronize` on an event not yet reached) still
+releases it.
+
+`held_event(device)` gives a `HeldEvent` where the driver is loaded and the calling
+thread has a current context, else None (the caller keeps torch's event); an event
+here and torch's stream handles are the driver's own (the runtime's handles are the
+driver's). What this does not know: torch's bookkeeping of its graphs and streams;
+it only launches what torch captured, on a stream torch made.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import Any
+
+import torch
+
+log = logging.getLogger("pdctl.staging")
+
+CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600
+ENABLED = os.environ.get("PDCTL_HELD_CUDA_CALLS", "1") != "0"
+
+
+class _Driver:
+    """libcuda's few entry points used here, twice: through PyDLL (GIL kept) and
+    through CDLL (GIL released, for a wait)."""
+
+    def __init__(self) -> None:
+        held, free = ctypes.PyDLL("libcuda.so.1"), ctypes.CDLL("libcuda.so.1")
+        p, vp, u = ctypes.POINTER, ctypes.c_void_p, ctypes.c_uint
+        self.ctx_get_current = _fn(held, "cuCtxGetCurrent", [p(vp)])
+        self.event_create = _fn(held, "cuEventCreate", [p(vp), u])
+        self.event_destroy = _fn(held, "cuEventDestroy_v2", [vp])
+        self.event_record = _fn(held, "cuEventRecord", [vp, vp])
+        self.event_query = _fn(held, "cuEventQuery", [vp])
+        self.event_elapsed = _fn(held, "cuEventElapsedTime", [p(ctypes.c_float), vp, vp])
+        self.event_wait = _fn(free, "cuEventSynchronize", [vp])
+        self.graph_launch = _fn(held, "cuGraphLaunch", [vp, vp])
+
+    def check(self, result: int, what: str) -> None:
+        if result != CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver: {what} failed with error {result}")
+
+    def has_context(self) -> bool:
+        context = ctypes.c_void_p()
+        return self.ctx_get_current(ctypes.byref(context)) == CUDA_SUCCESS and bool(context.value)
+
+
+def _fn(lib: ctypes.CDLL, name: str, argtypes: list[Any]) -> Any:
+    function = getattr(lib, name)
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
+
+
+_DRIVER: _Driver | None = None
+_LOADED = False
+
+
+def driver() -> _Driver | None:
+    """The driver's calls, or None where libcuda cannot be loaded (or ENABLED is off)."""
+    global _DRIVER, _LOADED
+    if not _LOADED:
+        _LOADED = True
+        if ENABLED:
+            try:
+                _DRIVER = _Driver()
+            except (OSError, AttributeError) as exc:
+                log.info("staging: CUDA driver calls go through torch (%s)", exc)
+    return _DRIVER
+
+
+def stream_handle(stream: Any) -> int:
+    """A torch CUDA stream's handle (0: the legacy default stream)."""
+    return int(stream.cuda_stream)
+
+
+class HeldEvent:
+    """A timing event whose record, query and elapsed time keep the GIL; the same
+    calls as torch.cuda.Event (record takes a torch stream, or the current one)."""
+
+    def __init__(self, calls: _Driver, device: torch.device) -> None:
+        self._calls, self._device = calls, device
+        handle = ctypes.c_void_p()
+        calls.check(calls.event_create(ctypes.byref(handle), 0), "cuEventCreate")
+        self.handle = handle
+
+    def record(self, stream: Any = None) -> None:
+        if stream is None:
+            stream = torch.cuda.current_stream(self._device)  # cuda-only: a CUDA event
+        self._calls.check(
+            self._calls.event_record(self.handle, ctypes.c_void_p(stream_handle(stream))),
+            "cuEventRecord",
+        )
+
+    def query(self) -> bool:
+        result = self._calls.event_query(self.handle)
+        if result == CUDA_ERROR_NOT_READY:
+            return False
+        self._calls.check(result, "cuEventQuery")
+        return True
+
+    def synchronize(self) -> None:
+        """Until the device passed the record (the GIL released only if it must wait)."""
+        if not self.query():
+            self._calls.check(self._calls.event_wait(self.handle), "cuEventSynchronize")
+
+    def elapsed_time(self, end: HeldEvent) -> float:
+        """Milliseconds from this event to `end`, both recorded and reached."""
+        end.synchronize()
+        milliseconds = ctypes.c_float()
+        self._calls.check(
+            self._calls.event_elapsed(ctypes.byref(milliseconds), self.handle, end.handle),
+            "cuEventElapsedTime",
+        )
+        return float(milliseconds.value)
+
+    def __del__(self) -> None:
+        if self.handle.value:
+            self._calls.event_destroy(self.handle)
+            self.handle = ctypes.c_void_p()
+
+
+def held_event(device: torch.device) -> HeldEvent | None:
+    """A HeldEvent on this thread's current CUDA context, or None (use torch's)."""
+    if device.type != "cuda":
+        return None
+    calls = driver()
+    if calls is None or not calls.has_context():
+        return None
+    try:
+        return HeldEvent(calls, device)
+    except RuntimeError as exc:
+        log.info("staging: %s; events go through torch", exc)
+        return None
+
+
+def launch_graph(graph: Any, stream: Any) -> bool:
+    """Launch a captured torch CUDA graph on `stream` keeping the GIL (True), or leave
+    it to the caller (False: no driver, no raw handle in this torch, no context)."""
+    calls = driver()
+    raw = getattr(graph, "raw_cuda_graph_exec", None)
+    if calls is None or raw is None or not calls.has_context():
+        return False
+    calls.check(
+        calls.graph_launch(ctypes.c_void_p(raw()), ctypes.c_void_p(stream_handle(stream))),
+        "cuGraphLaunch",
+    )
+    return True

@@ -1,0 +1,98 @@
+"""CUDA calls that keep the GIL (`staging.held`): where there is no driver they step
+aside for torch's; on a GPU their events time and order work as torch's do, and a
+graph launched through the driver runs what torch captured."""
+
+from __future__ import annotations
+
+import ctypes.util
+import threading
+import time
+
+import pytest
+import torch
+
+from pdctl.staging import held
+
+CUDA = torch.cuda.is_available()
+
+
+def test_no_event_is_made_off_cuda_or_without_a_driver() -> None:
+    assert held.held_event(torch.device("cpu")) is None
+    if ctypes.util.find_library("cuda") is None:  # a machine without the driver: torch's
+        assert held.driver() is None
+        assert held.held_event(torch.device("cuda")) is None
+        assert not held.launch_graph(object(), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
+def test_held_events_order_and_time_device_work() -> None:
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    begin, end = held.held_event(device), held.held_event(device)
+    assert begin is not None and end is not None
+    begin.record()
+    torch.cuda._sleep(50_000_000)  # cuda-only: a device-side wait
+    end.record()
+    assert not end.query()  # the sleep is still running
+    end.synchronize()
+    assert end.query()
+    reference_begin, reference_end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    reference_begin.record()
+    torch.cuda._sleep(50_000_000)  # cuda-only: a device-side wait
+    reference_end.record()
+    reference_end.synchronize()
+    ours, theirs = begin.elapsed_time(end), reference_begin.elapsed_time(reference_end)
+    assert ours > 0 and 0.5 < ours / theirs < 2.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
+def test_a_graph_launched_through_the_driver_runs_what_torch_captured() -> None:
+    device = torch.device("cuda")
+    values = torch.zeros(1024, device=device)
+    step = torch.arange(1024, dtype=torch.float32, device=device)
+    graph = torch.cuda.CUDAGraph()  # cuda-only: graphs are CUDA's
+    stream = torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=stream):  # cuda-only: graphs are CUDA's
+        values.add_(step)
+    torch.cuda.synchronize()
+    values.zero_()
+    current = torch.cuda.current_stream()
+    for _ in range(3):
+        assert held.launch_graph(graph, current)
+    graph.replay()  # torch's own launch, in the same stream order
+    torch.cuda.synchronize()
+    assert torch.equal(values, 4 * step)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
+def test_a_held_record_does_not_wait_for_a_thread_holding_the_gil() -> None:
+    """Beside a busy Python thread, each call that gives the GIL away waits for it
+    (20 `time.sleep(0)` show how long); 200 held records never give it away."""
+    device = torch.device("cuda")
+    event = held.held_event(device)
+    assert event is not None
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(2000))
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        started = time.perf_counter()
+        for _ in range(20):
+            time.sleep(0)
+        given_away = time.perf_counter() - started
+        started = time.perf_counter()
+        for _ in range(200):
+            event.record()
+        kept = time.perf_counter() - started
+    finally:
+        stop.set()
+        thread.join()
+    assert given_away > 20 * 0.001  # the spinning thread really contends
+    assert kept < given_away / 2, (kept, given_away)
