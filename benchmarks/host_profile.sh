@@ -18,7 +18,7 @@ for _ in $(seq 600); do  # the PD prefill server's rank 0, once it is up
   sleep 0.1
 done
 sleep 8  # past its start-up
-[ -n "${pid:-}" ] && timeout 60 "$SPY" record --gil -r 2000 -d 12 -f raw -o "$OUT/prefill-gil.txt" -p "$pid" > /dev/null 2>&1
+[ -n "${pid:-}" ] && timeout 60 "$SPY" record --gil --threads -r 2000 -d 12 -f raw -o "$OUT/prefill-gil.txt" -p "$pid" > /dev/null 2>&1
 wait "$bench"
 cat > /tmp/staging_loop.py <<'PY'
 import time, torch

@@ -25,6 +25,8 @@ fetch() {  # folder, requirement...
 fetch .whl fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 \
   pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
   setproctitle==1.3.8 typing_extensions==4.16.0 opentelemetry-api==1.45.2
+# the sampling profiler benchmarks/host_profile.sh runs (its binary lands in /tmp/pdctl-site/bin)
+fetch .whl py-spy==0.4.1
 raw=$(mktemp -d)
 fetch "$raw" mooncake-transfer-engine-cuda13==0.3.14 nixl-cu13==1.5.1 nixl==1.5.1
 python3 - "$raw" .whl-gpu <<'PY'

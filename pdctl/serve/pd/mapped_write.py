@@ -55,6 +55,7 @@ class StartedWrite:
     ended: Any  # device event after it
     nbytes: int
     host_s: float  # host time spent enqueueing
+    cpu_s: float  # of which this thread ran (the rest it waited, mostly for the GIL)
     done_s: float | None = None  # the write's seconds, once `finish` sent its notification
 
 
@@ -75,7 +76,7 @@ class MappedWriter:
     ) -> StartedWrite | None:
         """Enqueue the write on the current stream (None: decode's pool is not mapped
         here, or its rows differ from ours; the caller writes by descriptors)."""
-        began_s = time.perf_counter()
+        began_s, began_cpu = time.perf_counter(), time.thread_time()
         first = self.kv.k_buffers[0]
         if reg.head_dim != first.shape[2] or reg.elem_bytes != first.element_size():
             return None
@@ -100,8 +101,8 @@ class MappedWriter:
         pending.stage_to_host()  # the digests reach pinned host memory behind the write
         ended.record(stream)
         nbytes = layout.block_bytes(writer, len(pages) * self.kv.page_size)
-        host_s = time.perf_counter() - began_s
-        return StartedWrite(room, peer, pending, began, ended, nbytes, host_s)
+        host_s, cpu_s = time.perf_counter() - began_s, time.thread_time() - began_cpu
+        return StartedWrite(room, peer, pending, began, ended, nbytes, host_s, cpu_s)
 
     def finish(self, started: StartedWrite, *, inline: bool = False) -> float:
         """Wait for the write, send its notification; returns the write's seconds
@@ -115,13 +116,13 @@ class MappedWriter:
         fires at once and every host step in between counts, the worker's wake-up
         included. inline only names the caller in the log."""
         started.ended.synchronize()  # the bytes are in decode's pool
-        began_s = time.perf_counter()
+        began_s, began_cpu = time.perf_counter(), time.thread_time()
         digests = [d for part in started.pending.result() for d in part]
         notice = proto.notify_message(
             started.room, proto.DIRECT_SEGMENT, self.rank, digests, started.nbytes
         )
         self.transport.notify(started.peer, notice)
-        finish_s = time.perf_counter() - began_s
+        finish_s, finish_cpu = time.perf_counter() - began_s, time.thread_time() - began_cpu
         device = self.kv.k_buffers[0].device
         notified = _timing_event(device)
         notified.record(dev.current_device_stream(device))
@@ -131,10 +132,12 @@ class MappedWriter:
         if self.explained < EXPLAINED_ROOMS:  # the parts of the first rooms' writes, logged
             self.explained += 1
             log.info(
-                "room %s: mapped write%s: enqueue %.0f us (host), first to last event %.0f us "
-                "(device), notification %.0f us (host), the write's time %.0f us",
+                "room %s: mapped write%s: enqueue %.0f us (host; %.0f us run by this thread), "
+                "first to last event %.0f us (device), notification %.0f us (host; %.0f us "
+                "run), the write's time %.0f us",
                 started.room, " (engine thread)" if inline else "", started.host_s * 1e6,
-                device_s * 1e6, finish_s * 1e6, seconds * 1e6,
+                started.cpu_s * 1e6, device_s * 1e6, finish_s * 1e6, finish_cpu * 1e6,
+                seconds * 1e6,
             )  # fmt: skip
         started.done_s = seconds
         return seconds
