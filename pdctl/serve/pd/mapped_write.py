@@ -23,7 +23,9 @@ What this does not know: rooms, registrations' arrival, faults.
 
 from __future__ import annotations
 
+import gc
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +46,46 @@ log = logging.getLogger("pdctl.serve")
 EXPLAINED_ROOMS = 12  # rooms whose write parts are logged (what the write time is made of)
 
 
+@dataclass(frozen=True)
+class EnqueueParts:
+    """Where the host's time to enqueue a write went (seconds)."""
+
+    host: float  # in all
+    run: float  # of which this thread ran (the rest it waited: the GIL, the OS)
+    before_launch: float  # lookups, the plan and the first event, before the launch
+    collecting: float  # this thread's garbage collections meanwhile
+
+
+class GcClock:
+    """Seconds each thread spent in the garbage collector (a `gc.callbacks` entry,
+    installed once): what a Python collection adds to a write's host time."""
+
+    def __init__(self) -> None:
+        self._started: dict[int, float] = {}
+        self._spent: dict[int, float] = {}
+        self._installed = False
+
+    def install(self) -> None:
+        if not self._installed:
+            self._installed = True
+            gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        thread = threading.get_ident()
+        if phase == "start":
+            self._started[thread] = time.perf_counter()
+        elif thread in self._started:
+            spent = time.perf_counter() - self._started.pop(thread)
+            self._spent[thread] = self._spent.get(thread, 0.0) + spent
+
+    def seconds(self) -> float:
+        """This thread's seconds in collections so far."""
+        return self._spent.get(threading.get_ident(), 0.0)
+
+
+GC = GcClock()
+
+
 @dataclass
 class StartedWrite:
     """One decode rank's mapped write, enqueued (`MappedWriter.start`)."""
@@ -54,8 +96,7 @@ class StartedWrite:
     began: Any  # device event before the launch (timing)
     ended: Any  # device event after it
     nbytes: int
-    host_s: float  # host time spent enqueueing
-    cpu_s: float  # of which this thread ran (the rest it waited, mostly for the GIL)
+    parts: EnqueueParts  # the host's enqueue
     done_s: float | None = None  # the write's seconds, once `finish` sent its notification
 
 
@@ -64,6 +105,7 @@ class MappedWriter:
         self.rank, self.kv, self.transport = rank, kv, transport
         self.pools = MappedPools(transport)  # decode pools this transport maps here
         self.explained = 0
+        GC.install()
 
     def start(
         self,
@@ -76,7 +118,7 @@ class MappedWriter:
     ) -> StartedWrite | None:
         """Enqueue the write on the current stream (None: decode's pool is not mapped
         here, or its rows differ from ours; the caller writes by descriptors)."""
-        began_s, began_cpu = time.perf_counter(), time.thread_time()
+        began_s, began_cpu, began_gc = time.perf_counter(), time.thread_time(), GC.seconds()
         first = self.kv.k_buffers[0]
         if reg.head_dim != first.shape[2] or reg.elem_bytes != first.element_size():
             return None
@@ -91,6 +133,7 @@ class MappedWriter:
         stream = dev.current_device_stream(first.device)
         began, ended = _timing_event(first.device), _timing_event(first.device)
         began.record(stream)
+        launch_s = time.perf_counter()
         pending = start_page_write(
             self.kv.k_buffers, self.kv.v_buffers, pages,
             PeerPages(buffers, reg.pages, piece.dst_head_start),
@@ -101,8 +144,12 @@ class MappedWriter:
         pending.stage_to_host()  # the digests reach pinned host memory behind the write
         ended.record(stream)
         nbytes = layout.block_bytes(writer, len(pages) * self.kv.page_size)
-        host_s, cpu_s = time.perf_counter() - began_s, time.thread_time() - began_cpu
-        return StartedWrite(room, peer, pending, began, ended, nbytes, host_s, cpu_s)
+        ended_s = time.perf_counter()
+        parts = EnqueueParts(
+            ended_s - began_s, time.thread_time() - began_cpu, launch_s - began_s,
+            GC.seconds() - began_gc,
+        )  # fmt: skip
+        return StartedWrite(room, peer, pending, began, ended, nbytes, parts)
 
     def finish(self, started: StartedWrite, *, inline: bool = False) -> float:
         """Wait for the write, send its notification; returns the write's seconds
@@ -129,15 +176,17 @@ class MappedWriter:
         notified.synchronize()
         seconds = started.began.elapsed_time(notified) / 1e3
         device_s = started.began.elapsed_time(started.ended) / 1e3
+        parts = started.parts
         if self.explained < EXPLAINED_ROOMS:  # the parts of the first rooms' writes, logged
             self.explained += 1
             log.info(
-                "room %s: mapped write%s: enqueue %.0f us (host; %.0f us run by this thread), "
-                "first to last event %.0f us (device), notification %.0f us (host; %.0f us "
-                "run), the write's time %.0f us",
-                started.room, " (engine thread)" if inline else "", started.host_s * 1e6,
-                started.cpu_s * 1e6, device_s * 1e6, finish_s * 1e6, finish_cpu * 1e6,
-                seconds * 1e6,
+                "room %s: mapped write%s: enqueue %.0f us (host; %.0f us run by this thread, "
+                "%.0f us before the launch, %.0f us collecting garbage), first to last event "
+                "%.0f us (device), notification %.0f us (host; %.0f us run), the write's "
+                "time %.0f us",
+                started.room, " (engine thread)" if inline else "", parts.host * 1e6,
+                parts.run * 1e6, parts.before_launch * 1e6, parts.collecting * 1e6,
+                device_s * 1e6, finish_s * 1e6, finish_cpu * 1e6, seconds * 1e6,
             )  # fmt: skip
         started.done_s = seconds
         return seconds

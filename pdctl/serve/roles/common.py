@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -24,6 +25,9 @@ from pdctl.serve.model import ops
 from pdctl.serve.runtime import Rank, rank_forward, stop_ranks
 
 log = logging.getLogger("pdctl.serve")
+# Freeze what start-up allocated before serving (PDCTL_GC_FREEZE=1): the garbage
+# collector's full passes then skip the model's and torch's objects.
+GC_FREEZE = os.environ.get("PDCTL_GC_FREEZE", "0") == "1"
 
 
 def build_engine(rank: Rank, *, prefix_cache: bool = True, hooks: PDHooks | None = None) -> Engine:
@@ -143,6 +147,8 @@ def serve(
 
         server = f"{rank.args.role}-{rank.args.replica}"
         tensor_parallel.watch_ranks(rank.children, server, died)
+    if GC_FREEZE:  # what start-up made (the model, torch's graph) is never scanned again
+        gc.freeze()
     try:
         run_servers(apps)
     finally:
