@@ -53,6 +53,13 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"role {args.role!r} is not served by this build")
     # The other TP ranks start now, importing torch beside this rank, not after it.
     children = spawn_ranks(args.tp, argv, dict(os.environ)) if first_of_many(args) else []
+    schedule = os.environ.get("PDCTL_CUDA_SCHEDULE")
+    if schedule and args.device.startswith("cuda"):  # before torch makes a context
+        from pdctl.staging.held import set_schedule
+
+        why = set_schedule(schedule)
+        if why is not None:
+            raise SystemExit(f"PDCTL_CUDA_SCHEDULE={schedule}: {why}")
     from pdctl.serve.model.weights import CheckpointError  # torch: not for the router
     from pdctl.serve.runtime import start_rank
 

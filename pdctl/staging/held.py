@@ -156,3 +156,31 @@ def launch_graph(graph: Any, stream: Any) -> bool:
         "cuGraphLaunch",
     )
     return True
+
+
+SCHEDULES = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}  # CU_CTX_SCHED_*
+
+
+def set_schedule(mode: str) -> str | None:
+    """How this process's CUDA waits for the device, set on every visible device's
+    primary context before torch makes it current: "spin" polls on the CPU (what
+    "auto" picks with more cores than GPUs), "yield" polls and yields the core,
+    "blocking" sleeps until the device signals. Returns why it could not be set
+    (no driver, a context already active), or None."""
+    if mode not in SCHEDULES:
+        return f"{mode!r} is not one of {', '.join(SCHEDULES)}"
+    try:
+        lib = ctypes.PyDLL("libcuda.so.1")
+    except OSError as exc:
+        return f"no CUDA driver ({exc})"
+    count = ctypes.c_int()
+    if lib.cuInit(0) != CUDA_SUCCESS or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return "the CUDA driver did not initialise"
+    for ordinal in range(count.value):
+        device = ctypes.c_int()
+        if lib.cuDeviceGet(ctypes.byref(device), ordinal) != CUDA_SUCCESS:
+            return f"device {ordinal} could not be opened"
+        result = lib.cuDevicePrimaryCtxSetFlags_v2(device, ctypes.c_uint(SCHEDULES[mode]))
+        if result != CUDA_SUCCESS:
+            return f"device {ordinal}: cuDevicePrimaryCtxSetFlags failed with error {result}"
+    return None
