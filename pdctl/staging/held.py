@@ -86,7 +86,7 @@ def stream_handle(stream: Any) -> int:
 
 class HeldEvent:
     """A timing event whose record, query and elapsed time keep the GIL; the same
-    calls as torch.cuda.Event (record takes a torch stream, or the current one)."""
+    calls as torch's CUDA Event (record takes a torch stream, or the current one)."""
 
     def __init__(self, calls: _Driver, device: torch.device) -> None:
         self._calls, self._device = calls, device

@@ -89,8 +89,8 @@ class CudaSlot:
         self.ids = self.pinned.numpy()
         self.device_ids = torch.empty(num_ids, dtype=torch.int64, device=device)
         self.device = device
-        # cuda-only: graphs are CUDA's
-        self.done: Any = held.held_event(device) or torch.cuda.Event()
+        fallback = torch.cuda.Event  # cuda-only: graphs are CUDA's
+        self.done: Any = held.held_event(device) or fallback()
         self.used = False
         self.graph = torch.cuda.CUDAGraph()  # cuda-only: graphs are CUDA's
         stream = torch.cuda.Stream(device)  # cuda-only: graphs are CUDA's
