@@ -23,8 +23,12 @@ What this does not know: rooms, registrations' arrival, faults.
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import io
 import logging
+import os
+import pstats
 import threading
 import time
 from dataclasses import dataclass
@@ -44,6 +48,46 @@ from pdctl.staging.transport import Peer, Transport
 
 log = logging.getLogger("pdctl.serve")
 EXPLAINED_ROOMS = 12  # rooms whose write parts are logged (what the write time is made of)
+
+
+def _profiled_count(raw: str) -> int:
+    """PDCTL_WRITE_PROFILE=N: the first N enqueues run under cProfile, then logged."""
+    try:
+        return max(0, int(raw or "0"))
+    except ValueError:
+        log.warning("PDCTL_WRITE_PROFILE=%s is not a count of writes: no profile", raw)
+        return 0
+
+
+PROFILED_WRITES = _profiled_count(os.environ.get("PDCTL_WRITE_PROFILE", ""))
+
+
+class EnqueueProfile:
+    """cProfile over a writer's first `count` enqueues, on the thread that runs them;
+    once they ran, the functions that took the most time are logged (where the host's
+    enqueue time goes inside a server, which a standalone profile does not show)."""
+
+    def __init__(self, count: int, lines: int = 30) -> None:
+        self.left, self.lines = count, lines
+        self.profile = cProfile.Profile() if count else None
+
+    def __enter__(self) -> None:
+        if self.profile is not None and self.left:
+            self.profile.enable()
+
+    def __exit__(self, *_: object) -> None:
+        if self.profile is None or not self.left:
+            return
+        self.profile.disable()
+        self.left -= 1
+        if self.left == 0:
+            log.info("mapped write enqueue profile:\n%s", self.report())
+
+    def report(self) -> str:
+        assert self.profile is not None
+        out = io.StringIO()
+        pstats.Stats(self.profile, stream=out).sort_stats("tottime").print_stats(self.lines)
+        return out.getvalue()
 
 
 @dataclass(frozen=True)
@@ -105,6 +149,7 @@ class MappedWriter:
         self.rank, self.kv, self.transport = rank, kv, transport
         self.pools = MappedPools(transport)  # decode pools this transport maps here
         self.explained = 0
+        self.profile = EnqueueProfile(PROFILED_WRITES)
         GC.install()
 
     def start(
@@ -118,6 +163,18 @@ class MappedWriter:
     ) -> StartedWrite | None:
         """Enqueue the write on the current stream (None: decode's pool is not mapped
         here, or its rows differ from ours; the caller writes by descriptors)."""
+        with self.profile:
+            return self._start(room, pages, reg, layout, writer, peer)
+
+    def _start(
+        self,
+        room: int,
+        pages: list[int],
+        reg: proto.Registration,
+        layout: StagingLayout,
+        writer: int,
+        peer: Peer,
+    ) -> StartedWrite | None:
         began_s, began_cpu, began_gc = time.perf_counter(), time.thread_time(), GC.seconds()
         first = self.kv.k_buffers[0]
         if reg.head_dim != first.shape[2] or reg.elem_bytes != first.element_size():
