@@ -5,15 +5,25 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
+import time
 
 import pytest
 
 from pdctl.serve.pd import mapped_write
 from pdctl.serve.pd.mapped_write import EnqueueProfile, GcClock
 
+BUSY = sum(i * i for i in range(20_000))
+
 
 def _busy_enqueue_part() -> int:
     return sum(i * i for i in range(20_000))
+
+
+def _another_threads_work() -> None:
+    for _ in range(50):
+        sum(range(1000))
+        time.sleep(0.001)
 
 
 def test_gc_clock_counts_this_threads_collections() -> None:
@@ -34,28 +44,28 @@ def test_enqueue_profile_logs_the_functions_after_its_count(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     profile = EnqueueProfile(2)
+    other = threading.Thread(target=_another_threads_work)
     with caplog.at_level(logging.INFO, logger="pdctl.serve"):
-        with profile:
-            _busy_enqueue_part()
+        assert profile.run(_busy_enqueue_part) == BUSY
         assert "enqueue profile" not in caplog.text  # one of two so far
-        with profile:
-            _busy_enqueue_part()
-        with profile:  # past its count: runs unprofiled, logs nothing more
-            _busy_enqueue_part()
+        other.start()
+        assert profile.run(_busy_enqueue_part) == BUSY
+        other.join()
+        assert profile.run(_busy_enqueue_part) == BUSY  # past its count: unprofiled
     reports = [r for r in caplog.records if "enqueue profile" in r.getMessage()]
     assert len(reports) == 1
     text = reports[0].getMessage()
     assert "_busy_enqueue_part" in text
+    assert "_another_threads_work" not in text  # only the calling thread's calls
     assert "function calls" in text
     assert profile.left == 0
 
 
 def test_enqueue_profile_off_by_default(caplog: pytest.LogCaptureFixture) -> None:
     profile = EnqueueProfile(0)
-    assert profile.profile is None
-    with caplog.at_level(logging.INFO, logger="pdctl.serve"), profile:
-        _busy_enqueue_part()
-    assert caplog.text == ""
+    with caplog.at_level(logging.INFO, logger="pdctl.serve"):
+        assert profile.run(_busy_enqueue_part) == BUSY
+    assert caplog.text == "" and profile.stats is None
 
 
 @pytest.mark.parametrize(("raw", "count"), [("", 0), ("0", 0), ("5", 5), ("-3", 0), ("x", 0)])
