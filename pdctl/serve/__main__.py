@@ -1,4 +1,5 @@
-"""`python -m pdctl.serve --role ROLE ...`: one server (rank 0 spawns its other TP ranks)."""
+"""`python -m pdctl.serve --role ROLE ...`: one server (rank 0 starts its other TP ranks:
+spawned before its imports on an accelerator, forked after them on the CPU; `ranks`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import os
 import sys
 
 from pdctl.serve.args import parse
-from pdctl.serve.ranks import first_of_many, spawn_ranks
+from pdctl.serve.ranks import (
+    RankProcess,
+    first_of_many,
+    fork_ranks,
+    forks_ranks,
+    spawn_ranks,
+)
 
 # KV transfer threads (prefill's senders, decode's receivers) run beside the engine's
 # loop, which holds the GIL between kernels; every torch call or socket write they make
@@ -51,8 +58,11 @@ def main(argv: list[str]) -> None:
         return
     if args.role not in ROLES:
         raise SystemExit(f"role {args.role!r} is not served by this build")
-    # The other TP ranks start now, importing torch beside this rank, not after it.
-    children = spawn_ranks(args.tp, argv, dict(os.environ)) if first_of_many(args) else []
+    forking = forks_ranks(args, dict(os.environ))
+    # On an accelerator the other TP ranks start now, importing torch beside this rank.
+    children: list[RankProcess] = []
+    if first_of_many(args) and not forking:
+        children = spawn_ranks(args.tp, argv, dict(os.environ))
     schedule = os.environ.get("PDCTL_CUDA_SCHEDULE")
     if schedule and args.device.startswith("cuda"):  # before torch makes a context
         from pdctl.staging.held import set_schedule
@@ -66,6 +76,11 @@ def main(argv: list[str]) -> None:
     if args.role in ("prefill", "decode"):
         sys.setswitchinterval(switch_interval_s(dict(os.environ)))
     role = importlib.import_module(ROLES[args.role])
+    if forking:  # on the CPU: forked now, the imports done once for every rank
+        rank_number, children = fork_ranks(args.tp, dict(os.environ))
+        if rank_number:
+            argv = [*argv, "--tp-rank", str(rank_number)]
+            args = parse(argv)
     try:
         rank = start_rank(args, argv, children)
     except CheckpointError as exc:  # a user's checkpoint: one line, never a traceback

@@ -1,7 +1,8 @@
 """What every server rank sets up: identity, logging, threads, TP group, model, KV pool.
 
-Rank 0 of a server spawns the other ranks (same arguments plus `--tp-rank`), so a
-server is one process group that pdctl's launcher owns. Every rank loads the same
+Rank 0 of a server starts the other ranks (same arguments plus `--tp-rank`; spawned,
+or on the CPU forked once the modules are imported: `ranks`), so a server is one
+process group that pdctl's launcher owns. Every rank loads the same
 weights (sliced for itself) and an identical KV pool layout; rank 0 then runs the
 role (HTTP API, scheduler) and the others follow its broadcasts. Encoder ranks load
 no language model (only its shape and tokenizer): they run the encoder model.
@@ -39,7 +40,7 @@ from pdctl.serve.model.weights import (
     preset_config,
     preset_source,
 )
-from pdctl.serve.ranks import first_of_many, spawn_ranks
+from pdctl.serve.ranks import RankProcess, first_of_many, spawn_ranks
 from pdctl.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from pdctl.serve.tp_ops import Op
 from pdctl.staging import device as dev
@@ -65,7 +66,7 @@ class Rank:
     model: LanguageModel | None  # None on encoder ranks
     group: tensor_parallel.TPGroup | None
     tokenizer: Tokenizer
-    children: list[subprocess.Popen[bytes]]
+    children: list[RankProcess]
 
     @property
     def model_name(self) -> str:
@@ -186,7 +187,7 @@ def load_model(
 
 
 def start_rank(
-    args: ServerArgs, argv: list[str], children: list[subprocess.Popen[bytes]] | None = None
+    args: ServerArgs, argv: list[str], children: list[RankProcess] | None = None
 ) -> Rank:
     """This rank, ready to serve; rank 0's other ranks are spawned here unless the
     caller already spawned them (`children`)."""

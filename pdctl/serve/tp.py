@@ -18,7 +18,6 @@ import logging
 import os
 import secrets
 import socket
-import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -28,6 +27,7 @@ import torch.distributed as dist
 
 from pdctl.serve import tp_shm
 from pdctl.serve.model.batch import Piece
+from pdctl.serve.ranks import RankProcess
 from pdctl.serve.tp_ops import Op
 
 log = logging.getLogger("pdctl.serve")
@@ -215,7 +215,7 @@ def worker_loop(group: TPGroup, forward: Callable[[Sequence[Piece]], object]) ->
 
 
 def watch_ranks(
-    children: list[subprocess.Popen[bytes]], server: str, on_death: Callable[[str], None]
+    children: list[RankProcess], server: str, on_death: Callable[[str], None]
 ) -> threading.Thread:
     """Fail fast: when a rank exits, report which (`server` rank N, as the transport
     endpoints are named) and how."""

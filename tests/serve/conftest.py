@@ -59,6 +59,21 @@ def start_server(
     name: str = "test",
     env: dict[str, str] | None = None,
 ) -> Server:
+    """A server process, healthy."""
+    server = spawn_server(*extra, tp=tp, role=role, name=name, env=env)
+    wait_healthy(server)
+    return server
+
+
+def spawn_server(
+    *extra: str,
+    tp: int = 1,
+    role: str = "colocated",
+    name: str = "test",
+    env: dict[str, str] | None = None,
+) -> Server:
+    """A server process, started (`wait_healthy` waits for it): servers that start
+    side by side share the host's cores while each waits for its own start-up."""
     port = free_port()
     argv = [
         sys.executable,
@@ -83,8 +98,13 @@ def start_server(
         start_new_session=True,
         env={**os.environ, **(env or {})},
     )
-    server = Server(f"http://127.0.0.1:{port}", process, log)
-    deadline = time.monotonic() + 120
+    return Server(f"http://127.0.0.1:{port}", process, log)
+
+
+def wait_healthy(server: Server, timeout: float = 120.0) -> None:
+    """Until the server answers /health (stopped and raised if it exits or times out)."""
+    process = server.process
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             tail = server.log_tail()
@@ -92,12 +112,12 @@ def start_server(
             raise RuntimeError(f"server exited with {process.returncode}: {tail}")
         try:
             if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
+                return
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.1)
     server.stop()
-    raise TimeoutError("server did not become healthy")
+    raise TimeoutError(f"server did not become healthy: {server.log_tail()}")
 
 
 @pytest.fixture

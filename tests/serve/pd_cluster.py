@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pdctl.records import ServerInfo
-from tests.serve.conftest import Server, free_port, start_server
+from tests.serve.conftest import Server, free_port, spawn_server, start_server, wait_healthy
 
 # Small enough to start fast, big enough that TP4 splits the KV heads.
 MODEL = ("--model-preset", "tiny", "--page-size", "16", "--kv-pool-tokens", "4096")
@@ -103,7 +103,7 @@ def pd_cluster(
         for replica in range(replicas[0]):
             port = free_port()
             extra = _transport_ports(backend, prefill_tp)
-            server = start_server(
+            server = spawn_server(
                 *common, *extra, "--bootstrap-port", str(port), "--replica", str(replica),
                 *prefill_extra, tp=prefill_tp, role="prefill", name="pd", env=prefill_env,
             )  # fmt: skip
@@ -112,12 +112,14 @@ def pd_cluster(
             cluster.bootstrap_ports.append(port)
         for replica in range(replicas[1]):
             extra = _transport_ports(backend, decode_tp)
-            server = start_server(
+            server = spawn_server(
                 *common, *extra, "--replica", str(replica), *decode_extra,
                 tp=decode_tp, role="decode", name="pd",
             )  # fmt: skip
             cluster.servers.append(server)
             cluster.decode.append(server)
+        for server in cluster.servers:  # started side by side, healthy one by one
+            wait_healthy(server)
         if router is not None:
             cluster.router = start_router(router, cluster)
             cluster.servers.append(cluster.router)
