@@ -41,23 +41,15 @@ SECRET = b"profile"
 LAYERS, HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
 
 
-def median_us(function: Callable[[], object], sync: Callable[[], None], repeats: int = 30) -> float:
-    for _ in range(3):
-        function()
-    sync()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        function()
-        sync()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e6
-
-
-def enqueue_us(
-    function: Callable[[], object], sync: Callable[[], None], repeats: int = 30
+def median_us(
+    function: Callable[[], object],
+    sync: Callable[[], None],
+    repeats: int = 30,
+    *,
+    enqueue_only: bool = False,
 ) -> float:
-    """The host's time to enqueue one call (median), the device drained between calls."""
+    """One call's median time with the device drained (enqueue_only: the host's time to
+    enqueue it, the drain outside the timing)."""
     for _ in range(3):
         function()
     sync()
@@ -65,8 +57,11 @@ def enqueue_us(
     for _ in range(repeats):
         started = time.perf_counter()
         function()
+        if not enqueue_only:
+            sync()
         times.append(time.perf_counter() - started)
-        sync()
+        if enqueue_only:
+            sync()
     return statistics.median(times) * 1e6
 
 
@@ -240,7 +235,7 @@ def main() -> None:
                     for graphs in (True, False):
                         captured.ENABLED = graphs
                         with Contender() if contended else contextlib.nullcontext():
-                            each = enqueue_us(start_mapped, sync)
+                            each = median_us(start_mapped, sync, enqueue_only=True)
                         print(
                             f"    {'graphs' if graphs else 'eager':<7}"
                             f"{', a thread contending for the GIL' if contended else '':<36}"

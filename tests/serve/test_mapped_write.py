@@ -73,3 +73,18 @@ def test_write_profile_count_parsed(raw: str, count: int, caplog: pytest.LogCapt
     with caplog.at_level(logging.WARNING, logger="pdctl.serve"):
         assert mapped_write._profiled_count(raw) == count
     assert ("not a count" in caplog.text) == (raw == "x")
+
+
+def test_a_profiled_method_gets_its_arguments_and_gives_its_result() -> None:
+    class Writer:
+        def __init__(self) -> None:
+            self.profile = EnqueueProfile(1)
+
+        @mapped_write._profiled
+        def start(self, room: int, pages: list[int], *, peer: str = "") -> tuple:
+            return room, pages, peer
+
+    writer = Writer()
+    assert writer.start(7, [1, 2], peer="decode") == (7, [1, 2], "decode")  # profiled
+    assert writer.profile.left == 0 and writer.profile.stats is not None
+    assert writer.start(8, []) == (8, [], "")  # past the count

@@ -23,6 +23,7 @@ What this does not know: rooms, registrations' arrival, faults.
 
 from __future__ import annotations
 
+import functools
 import gc
 import io
 import logging
@@ -33,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -49,6 +50,7 @@ from pdctl.staging.transport import Peer, Transport
 
 log = logging.getLogger("pdctl.serve")
 T = TypeVar("T")
+P = ParamSpec("P")
 EXPLAINED_ROOMS = 12  # rooms whose write parts are logged (what the write time is made of)
 
 
@@ -79,12 +81,12 @@ class EnqueueProfile:
         self.left, self.lines = count, lines
         self.stats: pstats.Stats | None = None
 
-    def run(self, function: Callable[..., T], *args: Any) -> T:
+    def run(self, function: Callable[[], T]) -> T:
         if not self.left:
-            return function(*args)
+            return function()
         profiler = profile.Profile()
         try:
-            return profiler.runcall(function, *args)
+            return profiler.runcall(function)
         finally:
             self.left -= 1
             if self.stats is None:
@@ -156,6 +158,18 @@ class StartedWrite:
     done_s: float | None = None  # the write's seconds, once `finish` sent its notification
 
 
+def _profiled(
+    method: Callable[Concatenate[MappedWriter, P], T],
+) -> Callable[Concatenate[MappedWriter, P], T]:
+    """The method run under its writer's `EnqueueProfile`."""
+
+    @functools.wraps(method)
+    def run(self: MappedWriter, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self.profile.run(functools.partial(method, self, *args, **kwargs))
+
+    return run
+
+
 class MappedWriter:
     def __init__(self, rank: int, kv: KVPool, transport: Transport) -> None:
         self.rank, self.kv, self.transport = rank, kv, transport
@@ -164,6 +178,7 @@ class MappedWriter:
         self.profile = EnqueueProfile(PROFILED_WRITES)
         GC.install()
 
+    @_profiled
     def start(
         self,
         room: int,
@@ -174,18 +189,8 @@ class MappedWriter:
         peer: Peer,
     ) -> StartedWrite | None:
         """Enqueue the write on the current stream (None: decode's pool is not mapped
-        here, or its rows differ from ours; the caller writes by descriptors)."""
-        return self.profile.run(self._start, room, pages, reg, layout, writer, peer)
-
-    def _start(
-        self,
-        room: int,
-        pages: list[int],
-        reg: proto.Registration,
-        layout: StagingLayout,
-        writer: int,
-        peer: Peer,
-    ) -> StartedWrite | None:
+        here, or its rows differ from ours; the caller writes by descriptors). The
+        first PROFILED_WRITES run under the writer's profile."""
         began_s, began_cpu, began_gc = time.perf_counter(), time.thread_time(), GC.seconds()
         first = self.kv.k_buffers[0]
         if reg.head_dim != first.shape[2] or reg.elem_bytes != first.element_size():
