@@ -14,6 +14,7 @@ are the runner's (`runner.py`, `control.py`).
 from __future__ import annotations
 
 import statistics
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -85,6 +86,7 @@ class Context:
     client: httpx.Client
     passes: list[PassResult] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    stopped: threading.Event = field(default_factory=threading.Event)  # a pass beside ends
 
     def send(self, url: str, prompt: Prompt, max_new_tokens: int | None = None) -> Result:
         tokens = self.settings.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -111,12 +113,21 @@ class Pass:
     run: PassFunction
     compared: bool = True  # checked against the first pass
     repeat: bool = False  # a difference means the engine is not deterministic
+    beside: bool = False  # runs beside the passes after the first, on a server of its own
 
 
-def _serially(ctx: Context, result: PassResult, url: str, prompts: list[Prompt]) -> None:
+def _serially(
+    ctx: Context, result: PassResult, url: str, prompts: list[Prompt], *, beside: bool = False
+) -> None:
+    """One prompt after another; a pass beside the others (`beside`) leaves checking the
+    topology's roles to them and ends early when they stop."""
     for prompt in prompts:
+        if beside and ctx.stopped.is_set():
+            result.skipped = "stopped: the passes beside it ended"
+            return
         result.results.append(ctx.send(url, prompt))
-        ctx.alive()
+        if not beside:
+            ctx.alive()
 
 
 def serial(ctx: Context, result: PassResult) -> None:
@@ -157,6 +168,9 @@ def prefix_hit(ctx: Context, result: PassResult) -> None:
 
 
 def reference(ctx: Context, result: PassResult) -> None:
+    """On the colocated reference, beside the PD passes after the first (a server of
+    its own, on cores those leave idle: a serial PD request keeps one role busy at a
+    time). It compares with the first pass only, done by then."""
     if not ctx.settings.reference:
         result.skipped = "not requested (--reference)"
         return
@@ -165,7 +179,7 @@ def reference(ctx: Context, result: PassResult) -> None:
     except NoReference as why:
         result.skipped = str(why)
         return
-    _serially(ctx, result, url, ctx.prompts)
+    _serially(ctx, result, url, ctx.prompts, beside=True)
 
 
 PASSES: tuple[Pass, ...] = (
@@ -173,7 +187,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("serial-repeat", serial, repeat=True),
     Pass("concurrent", concurrent),
     Pass("prefix-hit", prefix_hit),
-    Pass("reference", reference),
+    Pass("reference", reference, beside=True),
 )
 ONE_PASS: tuple[Pass, ...] = (Pass("concurrent", concurrent, compared=False),)
 PASS_NAMES = tuple(p.name for p in PASSES)

@@ -8,6 +8,7 @@ pass ran, each divergence is controlled before anything is blamed (`control.py`)
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -23,22 +24,73 @@ def run_passes(
     target: Target, prompts: list[Prompt], settings: Settings
 ) -> tuple[list[PassResult], list[Finding]]:
     ctx = Context(target, prompts, settings, httpx.Client(timeout=settings.timeout))
-    spec = PASSES[0]
+    specs = PASSES if settings.serial_compare else ONE_PASS
+    spec = specs[0]
+    beside = [Beside(ctx, s) for s in specs[1:] if s.beside]
     try:
-        for spec in PASSES if settings.serial_compare else ONE_PASS:
-            result = PassResult(spec.name)
-            ctx.passes.append(result)  # partial results survive a role dying mid-pass
-            started = time.perf_counter()
-            spec.run(ctx, result)
-            result.wall_s = time.perf_counter() - started
-            if not result.skipped:
-                check(ctx, spec, result)
+        for spec in specs:
+            if spec.beside:  # started after the first pass; its result joins here
+                ctx.passes.append(next(b for b in beside if b.spec is spec).joined())
+                ctx.alive()
+            else:
+                result = PassResult(spec.name)
+                ctx.passes.append(result)  # partial results survive a role dying mid-pass
+                _timed(ctx, spec, result)
+            if ctx.passes[-1].skipped is None:
+                check(ctx, spec, ctx.passes[-1])
+            if spec is specs[0]:
+                for other in beside:
+                    other.start()
         apply_controls(ctx)
     except RoleDied as died:
         _role_died(ctx, spec, died)
     finally:
+        ctx.stopped.set()
+        for other in beside:
+            other.stop()
         ctx.client.close()
     return ctx.passes, ctx.findings
+
+
+def _timed(ctx: Context, spec: Pass, result: PassResult) -> None:
+    started = time.perf_counter()
+    spec.run(ctx, result)
+    result.wall_s = time.perf_counter() - started
+
+
+class Beside:
+    """A pass on a thread of its own beside the passes after the first (`Pass.beside`):
+    its result is checked on the runner's thread once it joins, in the table's order."""
+
+    def __init__(self, ctx: Context, spec: Pass) -> None:
+        self.ctx, self.spec = ctx, spec
+        self.result = PassResult(spec.name)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"verify-{spec.name}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            _timed(self.ctx, self.spec, self.result)
+        except BaseException as exc:  # re-raised on the runner's thread
+            self.error = exc
+
+    def stop(self) -> None:
+        """Wait for the thread (it ends at its next prompt once `ctx.stopped` is set)."""
+        if self.thread.ident is not None:
+            self.thread.join()
+
+    def joined(self) -> PassResult:
+        if self.thread.ident is None:  # never started (the first pass ended the run)
+            self.result.skipped = self.result.skipped or "not run: the passes ended before it"
+            return self.result
+        self.thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return self.result
 
 
 def check(ctx: Context, spec: Pass, run: PassResult) -> None:

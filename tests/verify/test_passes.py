@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
+from unittest.mock import patch
 
 import httpx
 import pytest
 
+from pdctl.errors import LaunchError
 from pdctl.verify.client import Result
-from pdctl.verify.passes import Context, PassResult, Settings, prefix_hit
+from pdctl.verify.passes import PASS_NAMES, Context, PassResult, Settings, prefix_hit
+from pdctl.verify.runner import run_passes
 from pdctl.verify.targets import Target
 from pdctl.verify.workload import Prompt
 
@@ -39,3 +44,74 @@ def test_a_cache_miss_is_claimed_only_for_a_prefix_that_was_served(served_before
     assert len(ctx.passes[-1].results) == 2 and all(r.ok for r in ctx.passes[-1].results)
     misses = [f for f in ctx.findings if f.classification == "cache-miss"]
     assert len(misses) == (2 if served_before else 0)
+
+
+class _Scripted(Target):
+    """A router and a reference answered by `answer`; a role dies after `dies_after`
+    router requests."""
+
+    def __init__(self, reference_tokens: int = 7, dies_after: int | None = None) -> None:
+        super().__init__("http://router", [], [], None)
+        self.seen: list[str] = []
+        self.reference_tokens, self.dies_after = reference_tokens, dies_after
+        self.lock = threading.Lock()
+
+    def reference(self) -> str:
+        return "http://reference"
+
+    def check_alive(self) -> None:
+        routed = sum(1 for host in self.seen if host == "router")
+        if self.dies_after is not None and routed >= self.dies_after:
+            raise LaunchError("decode-0 (decode, pid 1) exited with code 1")
+
+    def answer(self, request: httpx.Request) -> httpx.Response:
+        with self.lock:
+            self.seen.append(request.url.host)
+        if request.url.path == "/flush_cache":
+            return httpx.Response(200, json={"success": True})
+        time.sleep(0.01)
+        count = json.loads(request.content)["sampling_params"]["max_new_tokens"]
+        token = self.reference_tokens if request.url.host == "reference" else 7
+        return httpx.Response(
+            200, json={"output_ids": [token] * count, "meta_info": {"cached_tokens": 0}}
+        )
+
+
+PROMPTS = [Prompt(f"q{i}", "plain", [3, 4, i]) for i in range(8)]
+
+
+def _run(target: _Scripted) -> tuple[list[PassResult], list]:
+    settings = Settings(4, 2, True, True, True, 0.05, True, 10.0)
+    client = httpx.Client(transport=httpx.MockTransport(target.answer))
+    with patch("pdctl.verify.runner.httpx.Client", return_value=client):
+        return run_passes(target, PROMPTS, settings)
+
+
+def test_the_reference_pass_runs_beside_the_pd_passes_and_is_checked_in_order() -> None:
+    target = _Scripted()
+    passes, findings = _run(target)
+    assert [p.name for p in passes] == list(PASS_NAMES) and findings == []
+    reference = passes[-1]
+    assert len(reference.results) == len(PROMPTS) and all(r.ok for r in reference.results)
+    hosts = target.seen
+    first_reference = hosts.index("reference")
+    # after the first pass (which it compares with), and before the PD passes ended
+    assert hosts[:first_reference].count("router") >= len(PROMPTS)
+    assert "router" in hosts[first_reference:]
+
+
+def test_a_reference_that_differs_is_still_found() -> None:
+    passes, findings = _run(_Scripted(reference_tokens=9))
+    assert passes[-1].name == "reference"
+    assert {f.pass_name for f in findings} == {"reference"}
+    assert len(findings) == len(PROMPTS)
+
+
+def test_a_role_that_dies_stops_the_pass_beside_and_is_reported() -> None:
+    target = _Scripted(dies_after=len(PROMPTS) + 3)  # in serial-repeat
+    passes, findings = _run(target)
+    assert any(f.classification == "role-died" for f in findings), findings
+    assert passes[-1].name == "serial-repeat"  # the reference joined nothing into the report
+    before = len(target.seen)
+    time.sleep(0.1)
+    assert len(target.seen) == before  # nothing is still sending
