@@ -58,6 +58,12 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _rank_log(env: dict[str, str], rank: int) -> str | None:
+    """Under the launcher (PDCTL_LOG_DIR and PDCTL_PROCESS_NAME set) a rank's own log."""
+    log_dir, name = env.get("PDCTL_LOG_DIR"), env.get("PDCTL_PROCESS_NAME")
+    return f"{log_dir}/{name}-tp{rank}.log" if log_dir and name else None
+
+
 class ForkedRank:
     """A rank forked by rank 0: the part of `subprocess.Popen` a server uses (pid,
     poll, wait, send_signal), safe to call from the rank watcher's thread and the
@@ -99,19 +105,18 @@ def fork_ranks(world: int, env: dict[str, str]) -> tuple[int, list[RankProcess]]
     `<process>-tp<rank>.log`, as spawned ranks do."""
     sys.stdout.flush()
     sys.stderr.flush()
-    parent, children = os.getpid(), list[RankProcess]()
-    log_dir, name = env.get("PDCTL_LOG_DIR"), env.get("PDCTL_PROCESS_NAME")
+    parent = os.getpid()
+    children: list[RankProcess] = []
     for rank in range(1, world):
+        log = _rank_log(env, rank)
         pid = os.fork()
         if pid == 0:
             try:
                 _die_with_parent()
                 if os.getppid() != parent:  # rank 0 ended before the death signal was set
                     os._exit(1)
-                if log_dir and name:
-                    fd = os.open(
-                        f"{log_dir}/{name}-tp{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND
-                    )
+                if log is not None:
+                    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
                     os.dup2(fd, 1)
                     os.dup2(fd, 2)
                     os.close(fd)
@@ -129,9 +134,9 @@ def spawn_ranks(world: int, argv: list[str], env: dict[str, str]) -> list[RankPr
     its own log, `<process>-tp<rank>.log`; otherwise ranks share rank 0's output.
     """
     children: list[RankProcess] = []
-    log_dir, name = env.get("PDCTL_LOG_DIR"), env.get("PDCTL_PROCESS_NAME")
     for rank in range(1, world):
-        log = open(f"{log_dir}/{name}-tp{rank}.log", "ab") if log_dir and name else None  # noqa: SIM115
+        path = _rank_log(env, rank)
+        log = open(path, "ab") if path is not None else None  # noqa: SIM115
         try:
             children.append(
                 subprocess.Popen(

@@ -26,11 +26,11 @@ def run_passes(
     ctx = Context(target, prompts, settings, httpx.Client(timeout=settings.timeout))
     specs = PASSES if settings.serial_compare else ONE_PASS
     spec = specs[0]
-    beside = [Beside(ctx, s) for s in specs[1:] if s.beside]
+    beside = {s.name: Beside(ctx, s) for s in specs[1:] if s.beside}
     try:
         for spec in specs:
             if spec.beside:  # started after the first pass; its result joins here
-                ctx.passes.append(next(b for b in beside if b.spec is spec).joined())
+                ctx.passes.append(beside[spec.name].joined())
                 ctx.alive()
             else:
                 result = PassResult(spec.name)
@@ -39,14 +39,14 @@ def run_passes(
             if ctx.passes[-1].skipped is None:
                 check(ctx, spec, ctx.passes[-1])
             if spec is specs[0]:
-                for other in beside:
+                for other in beside.values():
                     other.start()
         apply_controls(ctx)
     except RoleDied as died:
         _role_died(ctx, spec, died)
     finally:
         ctx.stopped.set()
-        for other in beside:
+        for other in beside.values():
             other.stop()
         ctx.client.close()
     return ctx.passes, ctx.findings
@@ -83,9 +83,8 @@ class Beside:
             self.thread.join()
 
     def joined(self) -> PassResult:
-        if self.thread.ident is None:  # never started (the first pass ended the run)
-            self.result.skipped = self.result.skipped or "not run: the passes ended before it"
-            return self.result
+        """Its result once the thread ended (started with the first pass's end, always
+        before its turn in the table); the thread's error raised here."""
         self.thread.join()
         if self.error is not None:
             error, self.error = self.error, None

@@ -55,7 +55,7 @@ EXPLAINED_ROOMS = 12  # rooms whose write parts are logged (what the write time 
 
 
 def _profiled_count(raw: str) -> int:
-    """PDCTL_WRITE_PROFILE=N: the first N enqueues run under cProfile, then logged."""
+    """PDCTL_WRITE_PROFILE=N: the first N enqueues run profiled, then logged."""
     try:
         return max(0, int(raw or "0"))
     except ValueError:
