@@ -61,12 +61,14 @@ class KVTransfer:
     gather_ms: float | None = None
     digest_ms: float | None = None
     send_ms: float | None = None  # prefill's whole send, waits for regions included
+    notice: str | None = None  # decode: how it heard: "bell" (doorbell), "message", "mixed"
     extra: dict[str, Any] = field(default_factory=dict)
 
     KINDS: ClassVar[Kinds] = {
         "bytes": (int,), "segments": (int,), "staging": (bool,), "transport": (str,),
         "digest_ok": (bool,), "transfer_ms": NUMBER, "cached_tokens": (int,),
         "write_ms": NUMBER, "gather_ms": NUMBER, "digest_ms": NUMBER, "send_ms": NUMBER,
+        "notice": (str,),
     }  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:

@@ -30,23 +30,16 @@ import time
 
 import torch
 
+from pdctl.staging import futex
+
 HEADER_STRIDE = 64  # one cache line per rank's sequence word
 SLOT_BYTES = 1 << 20  # per rank and parity: decode batches of partials fit easily
 SPIN_S = 20e-6  # a rank that arrives last finds the others there at once
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine)
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def available() -> bool:
     """Futexes on this machine (Linux on x86_64 or aarch64) and a /dev/shm to share."""
-    return _SYS_FUTEX is not None and os.path.isdir("/dev/shm")
+    return futex.available() and os.path.isdir("/dev/shm")
 
 
 def file_size(world: int) -> int:
@@ -104,8 +97,7 @@ class SharedGather:
         return self._bytes[start : start + nbytes]
 
     def _wake(self, rank: int) -> None:
-        address = ctypes.addressof(self._words[rank])
-        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, 2**31 - 1, None, None, 0)
+        futex.wake(ctypes.addressof(self._words[rank]))
 
     def _wait(self, rank: int, sequence: int) -> None:
         word = self._words[rank]
@@ -113,8 +105,7 @@ class SharedGather:
         while word.value < sequence and time.perf_counter() < spin_until:
             pass
         deadline = time.monotonic() + self.timeout_s
-        timeout = _Timespec(0, 200_000_000)  # re-check at least every 0.2 s
-        address = ctypes.c_void_p(ctypes.addressof(word))
+        address = ctypes.addressof(word)
         while True:
             seen = word.value
             if seen >= sequence:
@@ -124,9 +115,7 @@ class SharedGather:
                     f"TP rank {rank} did not reach gather {sequence} within {self.timeout_s:g} s "
                     f"(it is at {seen})"
                 )
-            _libc.syscall(  # sleeps only while the word still reads `seen`
-                _SYS_FUTEX, address, _FUTEX_WAIT, seen, ctypes.byref(timeout), None, 0
-            )
+            futex.wait(address, seen, 0.2)  # re-checks at least every 0.2 s
 
     def close(self) -> None:
         self._words.clear()

@@ -12,6 +12,7 @@ imported from it: tests count calls by patching this module.
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Iterator
 from types import ModuleType
@@ -23,10 +24,19 @@ DeviceLike = torch.device | str
 
 
 class HostEvent:
-    """An event on the CPU: complete when recorded."""
+    """An event on the CPU: complete when recorded (the clock read then, for timing)."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
 
     def record(self, stream: Any = None) -> None:
-        return None
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        """Milliseconds from this record to `end`'s, as device events give them."""
+        if self.at is None or end.at is None:
+            raise RuntimeError("both events must be recorded before their elapsed time")
+        return (end.at - self.at) * 1e3
 
     def wait(self, stream: Any = None) -> None:
         return None
@@ -75,15 +85,16 @@ def get_device_module(device: DeviceLike) -> ModuleType:
     return torch.get_device_module(as_device(device).type)
 
 
-def create_device_event(device: DeviceLike) -> Any:
+def create_device_event(device: DeviceLike, *, timing: bool = False) -> Any:
+    """An event of the device's own kind (`timing`: one whose elapsed time can be read)."""
     device = as_device(device)
     if device.type == "cpu":
         return HostEvent()
     module = get_device_module(device)
     event_class = getattr(module, "Event", None)
     if event_class is not None:
-        return event_class()
-    return torch.Event(device.type)
+        return event_class(enable_timing=True) if timing else event_class()
+    return torch.Event(device.type, enable_timing=timing)
 
 
 def create_device_stream(device: DeviceLike) -> Any:

@@ -81,6 +81,7 @@ def pd_cluster(
     prefill_extra: tuple[str, ...] = (),
     decode_extra: tuple[str, ...] = (),
     prefill_env: dict[str, str] | None = None,
+    decode_env: dict[str, str] | None = None,
     model: tuple[str, ...] = MODEL,
 ) -> Iterator[PDCluster]:
     os.environ.setdefault("PDCTL_RUN_SECRET", secrets.token_hex(16))
@@ -114,7 +115,7 @@ def pd_cluster(
             extra = _transport_ports(backend, decode_tp)
             server = spawn_server(
                 *common, *extra, "--replica", str(replica), *decode_extra,
-                tp=decode_tp, role="decode", name="pd",
+                tp=decode_tp, role="decode", name="pd", env=decode_env,
             )  # fmt: skip
             cluster.servers.append(server)
             cluster.decode.append(server)

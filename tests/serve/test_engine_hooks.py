@@ -32,6 +32,9 @@ class Recorder:
         forwards = self.engine_box[0].stats.forwards
         self.calls.append((hook, request.rid, forwards, len(request.choices)))
 
+    def arm(self, request: Request) -> None:
+        self._note("arm", request)
+
     def forwarded(self, request: Request) -> None:
         self._note("forwarded", request)
 
@@ -78,5 +81,9 @@ def test_prefill_hears_of_the_last_forward_before_the_first_token() -> None:
     finally:
         engine.stop()
     pd_calls = [call for call in hooks.calls if call[1] == "pd"]
-    assert pd_calls == [("forwarded", "pd", 4, 0), ("prefilled", "pd", 4, 1)], hooks.calls
+    assert pd_calls == [
+        ("arm", "pd", 3, 0),
+        ("forwarded", "pd", 4, 0),
+        ("prefilled", "pd", 4, 1),
+    ], hooks.calls
     assert all(call[1] == "pd" for call in hooks.calls), hooks.calls

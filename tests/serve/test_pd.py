@@ -100,9 +100,12 @@ def test_pd_tokens_match_colocated(
         backend=backend, prefill_tp=prefill_tp, decode_tp=decode_tp, staging=staging
     ) as cluster:
         transfers = check_topology(cluster, reference)
+    # pdctl's own transport tells a direct room's decode rank by its doorbell (same host)
+    notice = "bell" if backend == "tcp" and path == "direct" else "message"
     for transfer in transfers:
         assert transfer["transport"] == backend
         assert transfer["staging"] is (path == "staging")
+        assert transfer["notice"] == notice, transfer
         # pdctl's router adds prefill's side: the writes lie within the whole send
         assert 0 < transfer["write_ms"] <= transfer["send_ms"] + 0.01, transfer
         if path == "staging":
@@ -383,6 +386,24 @@ def test_corrupted_kv_is_caught_by_the_digest() -> None:
             "from prefill rank 0 to decode rank" in message
             and "(in the staging ring, segment 0)" in message
         )
+        cluster.pools_full()
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_without_doorbells_a_direct_room_is_told_by_message(
+    reference: dict[str, list[int]], side: str
+) -> None:
+    """Decode offers no doorbell (PDCTL_BELLS=0 there), or prefill cannot ring the one
+    offered (PDCTL_BELLS=0 on prefill: as a writer on another host): the notification
+    carries the digests, and decode hears it while it also watches its doorbell."""
+    off = {"PDCTL_BELLS": "0"}
+    env = {"prefill_env": off} if side == "prefill" else {"decode_env": off}
+    with pd_cluster(prefill_tp=1, decode_tp=2, staging=False, **env) as cluster:  # type: ignore[arg-type]
+        for prompt in PROMPTS[:2]:
+            result = generate(cluster, prompt)
+            assert result["output_ids"] == reference[json.dumps(prompt)]
+            transfer = result["meta_info"]["kv_transfer"]
+            assert transfer["notice"] == "message" and transfer["digest_ok"] is True, transfer
         cluster.pools_full()
 
 

@@ -121,6 +121,42 @@ def test_a_replay_checks_the_ids_as_the_eager_call_does() -> None:
     assert calls.replays == 1
 
 
+def test_armed_calls_launch_later_each_with_its_own_ids() -> None:
+    """`arm` does the host work now, the launch later (on another thread in a server):
+    a slot armed and not yet launched is never armed again, that call goes eager."""
+    log: list[Any] = []
+    calls = CapturedCalls(capture=fake_capture(log), sights=1)
+    k, v = random_kv(3, POOL_PAGES * PAGE, 2, 16, torch.bfloat16, 0)
+    stagings = [torch.empty(2 * 3 * COUNT * PAGE * 16 * 2, dtype=torch.uint8) for _ in range(2)]
+    counter = [0]
+    key = ("gather", id(k), id(v), COUNT)
+
+    def arm(pages: list[int], staging: torch.Tensor):  # type: ignore[no-untyped-def]
+        def eager(ids: Any) -> torch.Tensor:
+            counter[0] += 1
+            kernels._gather(k, v, ids, staging, (1, 1), PAGE, "torch")
+            return staging.clone()
+
+        host = lambda: kernels._host_ids(k, v, pages, PAGE)  # noqa: E731
+        return calls.arm(key, (k, v), staging.device, host, eager, pages)
+
+    for seed in range(2):  # the shape seen, then captured
+        arm(random_pages(POOL_PAGES, COUNT, seed=seed).tolist(), stagings[0])()
+    lists = [
+        random_pages(POOL_PAGES, COUNT, seed=10 + i).tolist() for i in range(captured.SLOTS + 2)
+    ]
+    armed = [arm(pages, stagings[0]) for pages in lists]  # more than the ring holds
+    eager_before = counter[0]
+    results = [launch() for launch in armed]
+    assert calls.replays == captured.SLOTS  # the rest went eager: their slot was armed
+    assert counter[0] - eager_before == 2 + captured.SLOTS  # replays run the eager call too
+    for pages, got in zip(lists, results, strict=True):
+        expected = naive_gather(k, v, torch.tensor(pages), PAGE, 1, 1)
+        assert torch.equal(
+            got[: expected.numel() * 2].view(expected.dtype).view(expected.shape), expected
+        )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_replays_are_bitwise_the_eager_calls() -> None:

@@ -36,7 +36,14 @@ Forward = Callable[[Sequence[Piece]], torch.Tensor | None]
 
 
 class PDHooks(Protocol):
-    """What the PD roles plug into the engine (all called on the scheduler thread)."""
+    """What the PD roles plug into the engine (called on the scheduler thread; what
+    `arm` returns runs on the thread that enqueued the forward, right after it)."""
+
+    def arm(self, request: Request) -> Callable[[], None] | None:
+        """Prefill: the next forward computes the prompt's last piece. A function
+        returned here runs right after that forward is enqueued, on the same thread
+        and stream (it launches the KV writes, which queue behind the forward); it
+        catches its own errors."""
 
     def forwarded(self, request: Request) -> None:
         """Prefill: the forward computing the prompt's last piece is enqueued on the
@@ -221,26 +228,44 @@ class Engine:
                 time.sleep(0.002)
             return
         pieces = [piece for _, piece in batch]
+        run = self._forward_for(batch)
         if self._worker is not None:
-            pending = self._worker.submit(self.forward, pieces)
+            pending = self._worker.submit(run, pieces)
             while not pending.done():  # overlap: take in new work while the model runs
                 self._drain(block=False)
                 time.sleep(0.0005)
             logits = pending.result()
         else:
-            logits = self.forward(pieces)
+            logits = run(pieces)
         self.stats.forwards += 1
         if self.hooks is not None:
             self._forwarded(batch)
         self._commit(batch, logits)
 
+    def _forward_for(self, batch: list[tuple[Request, Piece]]) -> Forward:
+        """The forward, followed on its own thread by what the hooks armed for the PD
+        prompts whose last piece it computes (their KV writes then queue on the device
+        right behind it, whatever the scheduler thread is doing)."""
+        if self.hooks is None:
+            return self.forward
+        hooks = self.hooks
+        fires = [fire for request in _last_pieces(batch) if (fire := hooks.arm(request))]
+        if not fires:
+            return self.forward
+
+        def run(pieces: Sequence[Piece]) -> torch.Tensor | None:
+            logits = self.forward(pieces)
+            for fire in fires:
+                fire()
+            return logits
+
+        return run
+
     def _forwarded(self, batch: list[tuple[Request, Piece]]) -> None:
         """Tell the hooks of every PD prompt whose last piece that forward computes."""
         assert self.hooks is not None
-        for request, piece in batch:
-            last = piece.start + piece.tokens.numel() == request.prompt_len
-            if last and request.room is not None and request.phase is Phase.PREFILL:
-                self.hooks.forwarded(request)
+        for request in _last_pieces(batch):
+            self.hooks.forwarded(request)
 
     def _commit(self, batch: list[tuple[Request, Piece]], logits: torch.Tensor | None) -> None:
         row = 0
@@ -327,3 +352,14 @@ class Engine:
         else:
             self.stats.finished += 1
         request.sink(Event(request.rid, finish_reason=reason))
+
+
+def _last_pieces(batch: list[tuple[Request, Piece]]) -> list[Request]:
+    """The PD prompts (a room, still prefilling) whose last piece is in `batch`."""
+    return [
+        request
+        for request, piece in batch
+        if piece.start + piece.tokens.numel() == request.prompt_len
+        and request.room is not None
+        and request.phase is Phase.PREFILL
+    ]

@@ -1,22 +1,25 @@
 """Prefill's mapped write: a room's pages into decode's pool, where the transport maps it.
 
 Where the builtin transport maps decode's device memory here (same host, device
-IPC), one launch writes the pages and digests them (`kernels.page_write`); only the
-notification travels. `start` enqueues that launch on the calling thread's current
-stream and returns at once; `finish` waits for it and sends the notification.
+IPC), one launch writes the pages and digests them (`kernels.page_write`). `arm`
+does a write's host work (checks, lookups, a CUDA graph's ids in its pinned slot:
+a write that comes back the same is a graph's replay, `kernels.page_write.WRITES`);
+`ArmedWrite.fire` launches it on the calling thread's current stream; `finish` waits
+for it and tells decode where the device did not. `start` is both at once.
 
-The sender starts a room's writes on the engine's thread as soon as the forward
-that computes the prompt's last piece is enqueued, when decode registered by then:
-the launch queues right behind the forward on the engine's stream, and its host work
-overlaps the forward's device time (a write that comes back the same is a CUDA
-graph's replay, `kernels.page_write.WRITES`). The engine's thread then waits for the
-write and sends the notification (`finish(inline=True)`) before it chooses the first
-token, so decode checks its pages while prefill samples. Its time is measured on the
-device's clock, from an event before the launch (it fires when the forward ends) to
-one recorded once the notification is sent (on an idle stream, so it fires at once):
-everything between the KV being ready and decode being told. PDCTL_NOTIFY_AT=token
-sends it once the token is chosen, PDCTL_NOTIFY_AT=worker from the room's worker
-thread (`sender`), timed the same way.
+The sender arms a room's writes on the engine's thread before the forward that
+computes the prompt's last piece is enqueued, when decode registered by then, and
+the engine fires them right after enqueuing that forward, on the same thread: they
+queue behind it on the device with no host work in between. Where decode offered a
+doorbell (same host, `bells`), the launch rings it behind the pages
+(`kernels.bell`) and fire announces it (decode looks closely from then on): decode
+is told without the host. Otherwise the engine's thread waits for the write and
+sends the notification (`finish(inline=True)`) before it chooses the first token
+(PDCTL_NOTIFY_AT=token once the token is chosen, PDCTL_NOTIFY_AT=worker from the
+room's worker thread, `sender`). A write's time runs on the device's clock from an
+event before the launch (it fires when the forward ends) to decode being told: the
+event behind the device's ring, or one recorded once the host told decode (on an idle
+stream, so it fires at once).
 
 What this does not know: rooms, registrations' arrival, faults.
 """
@@ -40,10 +43,12 @@ import torch
 
 from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.pd import protocol as proto
+from pdctl.serve.pd.bells import Ringers
 from pdctl.staging import device as dev
 from pdctl.staging import held
+from pdctl.staging.doorbell import DIGESTS, BellRinger, Ticket
 from pdctl.staging.kernels import PendingDigests
-from pdctl.staging.kernels.page_write import PeerPages, start_page_write
+from pdctl.staging.kernels.page_write import PeerPages, arm_page_write
 from pdctl.staging.layout import StagingLayout, plan_segments
 from pdctl.staging.mapped import MappedPools
 from pdctl.staging.transport import Peer, Transport
@@ -110,7 +115,7 @@ class EnqueueParts:
 
     host: float  # in all
     run: float  # of which this thread ran (the rest it waited: the GIL, the OS)
-    before_launch: float  # lookups, the plan and the first event, before the launch
+    before_launch: float  # armed (lookups, checks, the ids in place), before the launch
     collecting: float  # this thread's garbage collections meanwhile
 
 
@@ -146,7 +151,7 @@ GC = GcClock()
 
 @dataclass
 class StartedWrite:
-    """One decode rank's mapped write, enqueued (`MappedWriter.start`)."""
+    """One decode rank's mapped write, enqueued (`ArmedWrite.fire`)."""
 
     room: int
     peer: Peer
@@ -155,7 +160,52 @@ class StartedWrite:
     ended: Any  # device event after it
     nbytes: int
     parts: EnqueueParts  # the host's enqueue
+    bell: RoomBell | None = None  # where decode hears of it (None: a notification)
     done_s: float | None = None  # the write's seconds, once `finish` sent its notification
+
+
+@dataclass(frozen=True)
+class RoomBell:
+    """A write's doorbell: decode's box opened here, the ticket, and the slot's address
+    for the device (None: the host rings once the write landed)."""
+
+    ringer: BellRinger
+    ticket: Ticket
+    device_slot: int | None
+
+
+@dataclass
+class ArmedWrite:
+    """A mapped write whose host work is done (`MappedWriter.arm`): `fire` enqueues it
+    on the calling thread's current stream, right behind the forward it follows."""
+
+    room: int
+    peer: Peer
+    launch: Callable[[], PendingDigests]
+    nbytes: int
+    bell: RoomBell | None
+    device: torch.device
+    host_s: float  # the arm's host seconds
+    run_s: float  # of which this thread ran
+    collecting_s: float
+
+    def fire(self) -> StartedWrite:
+        began_s, began_cpu, began_gc = time.perf_counter(), time.thread_time(), GC.seconds()
+        stream = dev.current_device_stream(self.device)
+        began, ended = _timing_event(self.device), _timing_event(self.device)
+        began.record(stream)
+        pending = self.launch()
+        pending.stage_to_host()  # the digests reach pinned host memory behind the write
+        ended.record(stream)
+        bell = self.bell
+        if bell is not None and pending.rung:
+            bell.ringer.announce(bell.ticket)  # decode looks closely from now on
+        ended_s = time.perf_counter()
+        parts = EnqueueParts(
+            self.host_s + ended_s - began_s, self.run_s + time.thread_time() - began_cpu,
+            self.host_s, self.collecting_s + GC.seconds() - began_gc,
+        )  # fmt: skip
+        return StartedWrite(self.room, self.peer, pending, began, ended, self.nbytes, parts, bell)
 
 
 def _profiled(
@@ -174,11 +224,11 @@ class MappedWriter:
     def __init__(self, rank: int, kv: KVPool, transport: Transport) -> None:
         self.rank, self.kv, self.transport = rank, kv, transport
         self.pools = MappedPools(transport)  # decode pools this transport maps here
+        self.ringers = Ringers()  # decode doorbell boxes opened here
         self.explained = 0
         self.profile = EnqueueProfile(PROFILED_WRITES)
         GC.install()
 
-    @_profiled
     def start(
         self,
         room: int,
@@ -188,7 +238,21 @@ class MappedWriter:
         writer: int,
         peer: Peer,
     ) -> StartedWrite | None:
-        """Enqueue the write on the current stream (None: decode's pool is not mapped
+        """Enqueue the write on the current stream now (`arm`, then `fire`)."""
+        armed = self.arm(room, pages, reg, layout, writer, peer)
+        return None if armed is None else armed.fire()
+
+    @_profiled
+    def arm(
+        self,
+        room: int,
+        pages: list[int],
+        reg: proto.Registration,
+        layout: StagingLayout,
+        writer: int,
+        peer: Peer,
+    ) -> ArmedWrite | None:
+        """The write's host work, up to its launch (None: decode's pool is not mapped
         here, or its rows differ from ours; the caller writes by descriptors). The
         first PROFILED_WRITES run under the writer's profile."""
         began_s, began_cpu, began_gc = time.perf_counter(), time.thread_time(), GC.seconds()
@@ -203,66 +267,96 @@ class MappedWriter:
             len(pages), self.kv.page_size, layout.bytes_per_token(), reg.segment_bytes
         )
         piece = layout.slices[writer]
-        stream = dev.current_device_stream(first.device)
-        began, ended = _timing_event(first.device), _timing_event(first.device)
-        began.record(stream)
-        launch_s = time.perf_counter()
-        pending = start_page_write(
+        bell = self._bell(reg, writer, first.device)
+        device_bell = None
+        if bell is not None and bell.device_slot is not None:
+            device_bell = (bell.device_slot, bell.ticket.seq)
+        launch = arm_page_write(
             self.kv.k_buffers, self.kv.v_buffers, pages,
             PeerPages(buffers, reg.pages, piece.dst_head_start),
             [(segment.page_start, segment.num_pages) for segment in plan],
             head_start=piece.src_head_start, num_heads=piece.num_heads,
-            page_size=self.kv.page_size,
+            page_size=self.kv.page_size, bell=device_bell,
         )  # fmt: skip
-        pending.stage_to_host()  # the digests reach pinned host memory behind the write
-        ended.record(stream)
         nbytes = layout.block_bytes(writer, len(pages) * self.kv.page_size)
-        ended_s = time.perf_counter()
-        parts = EnqueueParts(
-            ended_s - began_s, time.thread_time() - began_cpu, launch_s - began_s,
-            GC.seconds() - began_gc,
+        return ArmedWrite(
+            room, peer, launch, nbytes, bell, first.device, time.perf_counter() - began_s,
+            time.thread_time() - began_cpu, GC.seconds() - began_gc,
         )  # fmt: skip
-        return StartedWrite(room, peer, pending, began, ended, nbytes, parts)
+
+    def _bell(self, reg: proto.Registration, writer: int, device: torch.device) -> RoomBell | None:
+        """This writer's doorbell where decode offered one and its box opens here."""
+        if reg.bell is None or writer >= len(reg.bell.tickets):
+            return None
+        ringer = self.ringers.open(reg.bell.box)
+        if ringer is None:
+            return None
+        ticket = reg.bell.tickets[writer]
+        return RoomBell(ringer, ticket, ringer.device_slot(ticket.slot, device))
 
     def finish(self, started: StartedWrite, *, inline: bool = False) -> float:
-        """Wait for the write, send its notification; returns the write's seconds
-        (also kept in `started.done_s`).
+        """Wait for the write; tell decode unless the device rang its doorbell (the host
+        rings it, or sends the notification); returns the write's seconds (also kept
+        in `started.done_s`).
 
         The seconds run on the device's clock from the event before the launch (the
         forward's end, when the write queued behind it; the launch's own host work
-        when it went onto an idle stream) to one recorded on the calling thread's
-        stream after the notification went out. That stream is idle then (inline: the
-        engine's, once the first token is chosen; else a worker's own), so the event
-        fires at once and every host step in between counts, the worker's wake-up
-        included. inline only names the caller in the log."""
+        when it went onto an idle stream) to the later of the event after the launch
+        (where the device rang) and one recorded on the calling thread's stream once
+        decode was told from here. That stream is idle then (inline: the engine's,
+        once the first token is chosen; else a worker's own), so the event fires at
+        once and every host step in between counts, the worker's wake-up included.
+        inline only names the caller in the log."""
         started.ended.synchronize()  # the bytes are in decode's pool
         began_s, began_cpu = time.perf_counter(), time.thread_time()
-        digests = [d for part in started.pending.result() for d in part]
-        notice = proto.notify_message(
-            started.room, proto.DIRECT_SEGMENT, self.rank, digests, started.nbytes
-        )
-        self.transport.notify(started.peer, notice)
-        finish_s, finish_cpu = time.perf_counter() - began_s, time.thread_time() - began_cpu
+        bell = started.bell
         device = self.kv.k_buffers[0].device
-        notified = _timing_event(device)
-        notified.record(dev.current_device_stream(device))
-        notified.synchronize()
-        seconds = started.began.elapsed_time(notified) / 1e3
+        if bell is not None and started.pending.rung:
+            told = started.ended  # the device rang behind the write
+        else:
+            digests = [d for part in started.pending.result() for d in part]
+            if bell is not None:
+                bell.ringer.ring(bell.ticket, DIGESTS, digests)
+            else:
+                notice = proto.notify_message(
+                    started.room, proto.DIRECT_SEGMENT, self.rank, digests, started.nbytes
+                )
+                self.transport.notify(started.peer, notice)
+            told = _timing_event(device)
+            told.record(dev.current_device_stream(device))
+            told.synchronize()
+        finish_s, finish_cpu = time.perf_counter() - began_s, time.thread_time() - began_cpu
+        seconds = started.began.elapsed_time(told) / 1e3
         device_s = started.began.elapsed_time(started.ended) / 1e3
-        parts = started.parts
-        if self.explained < EXPLAINED_ROOMS:  # the parts of the first rooms' writes, logged
-            self.explained += 1
-            log.info(
-                "room %s: mapped write%s: enqueue %.0f us (host; %.0f us run by this thread, "
-                "%.0f us before the launch, %.0f us collecting garbage), first to last event "
-                "%.0f us (device), notification %.0f us (host; %.0f us run), the write's "
-                "time %.0f us",
-                started.room, " (engine thread)" if inline else "", parts.host * 1e6,
-                parts.run * 1e6, parts.before_launch * 1e6, parts.collecting * 1e6,
-                device_s * 1e6, finish_s * 1e6, finish_cpu * 1e6, seconds * 1e6,
-            )  # fmt: skip
+        self._explain(started, inline, device_s, finish_s, finish_cpu, seconds)
         started.done_s = seconds
         return seconds
+
+    def _explain(
+        self,
+        started: StartedWrite,
+        inline: bool,
+        device_s: float,
+        finish_s: float,
+        finish_cpu: float,
+        seconds: float,
+    ) -> None:
+        """The parts of the first rooms' writes, logged (what the write time is made of)."""
+        if self.explained >= EXPLAINED_ROOMS:
+            return
+        self.explained += 1
+        parts = started.parts
+        told = "doorbell (device)" if started.bell and started.pending.rung else (
+            "doorbell (host)" if started.bell else "notification"
+        )  # fmt: skip
+        log.info(
+            "room %s: mapped write%s: enqueue %.0f us (host; %.0f us run by this thread, "
+            "%.0f us armed before, %.0f us collecting garbage), first to last event "
+            "%.0f us (device), %s %.0f us (host; %.0f us run), the write's time %.0f us",
+            started.room, " (engine thread)" if inline else "", parts.host * 1e6,
+            parts.run * 1e6, parts.before_launch * 1e6, parts.collecting * 1e6,
+            device_s * 1e6, told, finish_s * 1e6, finish_cpu * 1e6, seconds * 1e6,
+        )  # fmt: skip
 
 
 def _timing_event(device: torch.device) -> Any:
@@ -270,5 +364,4 @@ def _timing_event(device: torch.device) -> Any:
     event = held.held_event(device)
     if event is not None:
         return event
-    module = dev.get_device_module(device)
-    return module.Event(enable_timing=True)
+    return dev.create_device_event(device, timing=True)

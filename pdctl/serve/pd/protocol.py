@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pdctl.staging.allocator import Region, Watermark
+from pdctl.staging.doorbell import BoxInfo, Ticket
 
 DIRECT_SEGMENT = -1  # the segment index of a direct (unstaged) page write
 
@@ -50,6 +51,31 @@ class SegmentRegion:
 
 
 @dataclass
+class BellOffer:
+    """A direct room's doorbells (same host): the decode rank's box and one ticket per
+    writer, in writer order; a writer that can open the box rings its ticket instead
+    of sending a notification (`staging.doorbell`)."""
+
+    box: BoxInfo
+    tickets: list[Ticket]
+
+    @staticmethod
+    def from_json(data: Any) -> BellOffer:
+        if not isinstance(data, dict) or set(data) != {"box", "tickets"}:
+            raise ValueError("bell has exactly the fields box and tickets")
+        box = BoxInfo.from_json(data["box"])
+        tickets = []
+        for item in _list(data["tickets"], "bell tickets"):
+            if not isinstance(item, dict) or set(item) != {"slot", "seq"}:
+                raise ValueError("a bell ticket has exactly the fields slot and seq")
+            slot, seq = json_int(item, "slot"), json_int(item, "seq")
+            if slot >= box.slots or seq == 0:
+                raise ValueError(f"bell ticket (slot {slot}, seq {seq}) is outside the box")
+            tickets.append(Ticket(slot, seq))
+        return BellOffer(box, tickets)
+
+
+@dataclass
 class Registration:
     room: int
     decode_rank: int
@@ -67,6 +93,7 @@ class Registration:
     pages: list[int] = field(default_factory=list)  # decode pages of the prompt
     kv_bases: list[list[int]] = field(default_factory=list)  # direct: [k, v] address per layer
     segments: list[SegmentRegion] = field(default_factory=list)
+    bell: BellOffer | None = None  # direct, same host: ring these instead of notifying
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,7 +125,10 @@ class Registration:
             if not isinstance(item, int) or isinstance(item, bool) or item < 0:
                 raise ValueError("pages and kv_bases hold non-negative integers")
         segments = [segment_from_json(s) for s in _list(data.get("segments", []), "segments")]
-        return Registration(**{**data, "segments": segments})
+        bell = data.get("bell")
+        if bell is not None:
+            bell = BellOffer.from_json(bell)
+        return Registration(**{**data, "segments": segments, "bell": bell})
 
 
 INT_FIELDS = (

@@ -28,16 +28,19 @@ from typing import Any
 from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.faults import RoomFaults
 from pdctl.serve.pd import protocol as proto
+from pdctl.serve.pd.bells import Bells
 from pdctl.serve.pd.client import Client, PeerCallError
 from pdctl.staging.allocator import Region
 from pdctl.staging.buffer import StagingRing, init_staging_allocator
 from pdctl.staging.descriptors import tensor_ptr
+from pdctl.staging.doorbell import Ticket
 from pdctl.staging.handler import DecodeStagingHandler, DigestMismatch, LandFaults, Offer
 from pdctl.staging.layout import Segment, StagingLayout, head_slices, plan_segments
 from pdctl.staging.transport import Transport, TransportError
 
 log = logging.getLogger("pdctl.serve")
 Report = Callable[[int, dict[str, Any]], None]
+BELL_SLICE_S = 0.005  # a doorbell wait's slice: messages (a writer that cannot ring) between
 
 
 class ReceiveFailed(RuntimeError):
@@ -100,6 +103,7 @@ class KVReceiver:
         self.executor = ThreadPoolExecutor(4, thread_name_prefix=f"pdctl-recv-{rank}")
         self.heads_total = kv.k_buffers[0].shape[1]
         self.aborted: set[int] = set()
+        self.bells = Bells.for_receiver(transport, kv, name)  # None: notifications only
 
     # -- helpers ---------------------------------------------------------------------
     def client(self, address: str) -> Client:
@@ -251,7 +255,7 @@ class KVReceiver:
                     if segment.index == 0
                     else self.transfer_timeout
                 )
-                expected = self._await(room, segment.index, handler.layout, wait, bootstrap)
+                expected, _ = self._await(room, segment.index, handler.layout, wait, bootstrap)
                 mismatch = handler.land(room, segment, expected)
                 if mismatch is not None:
                     where = (
@@ -262,7 +266,7 @@ class KVReceiver:
                     raise self._corruption(room, mismatch, where)
                 total += region.size
                 self._offer_more(handler, room, plan, bootstrap)
-            return {"bytes": total, "segments": len(plan), "staging": True}
+            return {"bytes": total, "segments": len(plan), "staging": True, "notice": "message"}
         finally:
             handler.close_room(room)
 
@@ -273,18 +277,31 @@ class KVReceiver:
         )
 
     def _await(
-        self, room: int, segment: int, layout: StagingLayout, wait: float, bootstrap: str
-    ) -> list[list[int]]:
-        """Digests from every writer of `segment`, in writer order.
+        self,
+        room: int,
+        segment: int,
+        layout: StagingLayout,
+        wait: float,
+        bootstrap: str,
+        rings: Callable[[int], tuple[Ticket, Callable[[int, Any], list[int]]] | None] = (
+            lambda writer: None
+        ),
+    ) -> tuple[list[list[int]], bool]:
+        """Digests from every writer of `segment`, in writer order, and whether every
+        writer told by its doorbell. `rings(writer)`: that writer's ticket and how its
+        ring's values become digests (None: it notifies by message).
 
         Every second without news the room is looked up on prefill's bootstrap, so a
         prefill that died or failed the room ends the wait at once, with its reason.
+        A writer with a ticket is also heard by message (one that could not open the
+        box): its doorbell is waited on in slices of BELL_SLICE_S, messages between.
         """
-        digests = []
+        digests, all_rung = [], True
         deadline = time.monotonic() + wait
         check_at = time.monotonic() + 1.0
-        for piece in layout.slices:
+        for writer, piece in enumerate(layout.slices):
             prefix = proto.notify_prefix(room, segment, piece.prefill_rank)
+            ring = rings(writer)
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -297,15 +314,24 @@ class KVReceiver:
                 if time.monotonic() >= check_at:
                     self._check_prefill(room, bootstrap)
                     check_at = time.monotonic() + 1.0
-                try:
-                    note = self.transport.wait_notification(
-                        prefix, min(remaining, 0.25), prefix=True
-                    )
+                if ring is not None and self.bells is not None:
+                    rung = self.bells.box.wait(ring[0], min(remaining, BELL_SLICE_S))
+                    if rung is not None:
+                        digests.append(ring[1](*rung))
+                        break
+                    note = self.transport.take_notification(prefix, prefix=True)
+                else:
+                    try:
+                        note = self.transport.wait_notification(
+                            prefix, min(remaining, 0.25), prefix=True
+                        )
+                    except TransportError:
+                        continue
+                if note is not None:
+                    digests.append(list(proto.parse_notify(note.message)["digests"]))
+                    all_rung = False
                     break
-                except TransportError:
-                    continue
-            digests.append(list(proto.parse_notify(note.message)["digests"]))
-        return digests
+        return digests, all_rung and bool(layout.slices)
 
     def _check_prefill(self, room: int, bootstrap: str) -> None:
         try:
@@ -335,15 +361,35 @@ class KVReceiver:
             [tensor_ptr(k), tensor_ptr(v)]
             for k, v in zip(self.kv.k_buffers, self.kv.v_buffers, strict=True)
         ]
-        self._register(bootstrap, registration)
         layout = handler.layout
-        wait = self.bootstrap_timeout + self.transfer_timeout
-        expected = self._await(room, proto.DIRECT_SEGMENT, layout, wait, bootstrap)
         plan = plan_segments(
             len(pages), self.kv.page_size, layout.bytes_per_token(), self.segment_bytes
         )
+        offer = self.bells.offer(layout, len(plan)) if self.bells is not None else None
+        registration.bell = offer
+        read: set[int] = set()  # writers whose ring was read
+        try:
+            self._register(bootstrap, registration)
+            wait = self.bootstrap_timeout + self.transfer_timeout
+
+            def rings(writer: int) -> tuple[Ticket, Callable[[int, Any], list[int]]] | None:
+                if offer is None or self.bells is None:
+                    return None
+                bells = self.bells
+
+                def digests(kind: int, values: Any) -> list[int]:
+                    read.add(writer)
+                    return bells.digests(kind, values, layout.slices[writer], plan, self.kv)
+
+                return offer.tickets[writer], digests
+
+            expected, rung = self._await(room, proto.DIRECT_SEGMENT, layout, wait, bootstrap, rings)
+        finally:
+            if offer is not None and self.bells is not None:
+                self.bells.give_back(offer, read)
         mismatch = handler.check_pages(pages, plan, expected)
         if mismatch is not None:
             raise self._corruption(room, mismatch, "direct write")
         nbytes = len(pages) * self.kv.page_size * layout.bytes_per_token()
-        return {"bytes": nbytes, "segments": 0, "staging": False}
+        notice = "bell" if rung else "message"
+        return {"bytes": nbytes, "segments": 0, "staging": False, "notice": notice}

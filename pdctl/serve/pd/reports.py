@@ -31,6 +31,7 @@ class RankReport:
     bytes: int = 0
     segments: int = 0
     staging: bool = False  # decode: through the staging ring
+    notice: str = ""  # decode: how it heard the KV landed ("bell" or "message")
     transfer_ms: float = 0.0
     write_ms: float = 0.0  # prefill: gathering, digests and writes
     gather_ms: float = 0.0
@@ -60,11 +61,17 @@ class RankReport:
         staging = data.get("staging", False)
         if not isinstance(staging, bool):
             raise ValueError("staging must be true or false")
+        notice = data.get("notice", "")
+        if notice not in ("", "bell", "message"):
+            raise ValueError("notice must be 'bell' or 'message'")
         text = error[:2000] if isinstance(error, str) else None
-        return RankReport(rank, data["ok"], text, staging=staging, **values)
+        return RankReport(rank, data["ok"], text, staging=staging, notice=notice, **values)
 
     def to_json(self) -> dict[str, Any]:
-        out = {"rank": self.rank, "ok": self.ok, "error": self.error, "staging": self.staging}
+        out = {
+            "rank": self.rank, "ok": self.ok, "error": self.error, "staging": self.staging,
+            "notice": self.notice,
+        }  # fmt: skip
         return {**out, **{name: getattr(self, name) for name in (*COUNTS, *TIMES)}}
 
 
@@ -85,6 +92,9 @@ def combine(reports: list[RankReport], transport: str, side: str) -> KVTransfer:
     else:
         transfer.staging = any(r.staging for r in reports)
         transfer.digest_ok = all(r.ok for r in reports)
+        notices = {r.notice for r in reports if r.notice}
+        if notices:
+            transfer.notice = notices.pop() if len(notices) == 1 else "mixed"
     return transfer
 
 

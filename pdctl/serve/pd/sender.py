@@ -25,7 +25,6 @@ computed by `staging.descriptors`.
 from __future__ import annotations
 
 import base64
-import ctypes
 import logging
 import os
 import queue
@@ -41,13 +40,14 @@ from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.faults import RoomFaults
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import PeerCallError
-from pdctl.serve.pd.mapped_write import MappedWriter, StartedWrite
+from pdctl.serve.pd.direct import DirectWriter
+from pdctl.serve.pd.mapped_write import ArmedWrite, MappedWriter, StartedWrite
 from pdctl.serve.pd.room_state import RoomWait
 from pdctl.staging import device as dev
 from pdctl.staging.buffer import init_staging_buffers
-from pdctl.staging.descriptors import KVRows, block_address, direct_descriptors, kv_bases
+from pdctl.staging.descriptors import block_address
 from pdctl.staging.digest import block_digests
-from pdctl.staging.kernels import gather_all_layers_to_staging, start_page_digests
+from pdctl.staging.kernels import gather_all_layers_to_staging
 from pdctl.staging.layout import HeadSlice, StagingLayout, head_slices, plan_segments
 from pdctl.staging.transport import Peer, Transport, TransportError
 
@@ -84,6 +84,7 @@ class RoomJob:
 
     faults: RoomFaults = field(default_factory=RoomFaults)
     clock: SendClock = field(default_factory=SendClock)
+    armed: dict[int, ArmedWrite] = field(default_factory=dict)  # decode rank -> to fire
     early: dict[int, StartedWrite] = field(default_factory=dict)  # decode rank -> started
 
 
@@ -116,8 +117,8 @@ class KVSender:
             transport.register_tensor(buffer.tensor)
             self.buffers.put(buffer)
         transport.register_tensor(kv.kv)  # direct page writes read the pool itself
-        self.kv_bases = kv_bases(kv.k_buffers, kv.v_buffers)  # [L0.K, L0.V, L1.K, ...]
         self.mapped = MappedWriter(rank, kv, transport)
+        self.direct = DirectWriter(rank, kv, transport, self.mapped, self._buffer)
         self._said_early = False  # logged once: writes enqueued on the engine's thread
         self._prepared: dict[int, RoomJob | None] = {}  # room -> its job (`prepare`)
         self.peers: dict[str, Peer] = {}
@@ -125,16 +126,30 @@ class KVSender:
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix=f"pdctl-send-{rank}")
         self._local = threading.local()
 
+    def arm(self, room: int, pages: list[int]) -> Callable[[], None] | None:
+        """The next forward computes `room`'s last prompt piece (engine's thread, before
+        it is enqueued). Where decode already registered and its pool is mapped here,
+        the writes' host work is done now and the function returned launches them; the
+        engine runs it right after enqueuing that forward, on the same thread, so they
+        queue behind it on the device with nothing in between."""
+        job = self._try_early(room, pages, fire=False)
+        if job is None:
+            return None
+        self._prepared[room] = job
+        return (lambda: self._fire(room, job)) if job.armed else None
+
     def prepare(self, room: int, pages: list[int]) -> None:
         """The forward computing `room`'s last prompt piece is enqueued (not done).
 
-        Called on the engine's thread: where decode already registered and its pool is
-        mapped here, the writes queue now behind that forward on the engine's stream
-        (`mapped_write`), their host work overlapping the forward's device time. With
-        NOTIFY_AT "write" the engine's thread then waits for them (the forward's end
-        and the write's own device time) and notifies decode before the first token
-        is chosen."""
-        job = self._prepared[room] = self._try_early(room, pages)
+        Called on the engine's thread. Writes armed before it were launched behind it;
+        otherwise, where decode registered meanwhile and its pool is mapped here, they
+        are enqueued now. With NOTIFY_AT "write" the engine's thread then waits for
+        those whose decode hears by message (the forward's end and the write's own
+        device time) and notifies before the first token is chosen; a write the device
+        rings decode's doorbell for needs nothing more here."""
+        job = self._prepared.get(room)
+        if job is None:
+            job = self._prepared[room] = self._try_early(room, pages, fire=True)
         if job is not None and NOTIFY_AT == "write":
             self._notify_landed(room, job, wait=True)
 
@@ -145,7 +160,7 @@ class KVSender:
         token is chosen). Writes `prepare` queued have landed by then: they are
         notified here; otherwise where decode registered and its pool is mapped here,
         they are enqueued now, and a worker finishes them."""
-        job = self._prepared.pop(room) if room in self._prepared else self._try_early(room, pages)
+        job = self._prepared.pop(room, None) or self._try_early(room, pages, fire=True)
         if job is not None and NOTIFY_AT != "worker":
             self._notify_landed(room, job)
         self.executor.submit(self._run, room, pages, num_tokens, ready, job)
@@ -154,26 +169,41 @@ class KVSender:
         """`room` ended before `send` (aborted): its prepared job is dropped."""
         self._prepared.pop(room, None)
 
-    def _try_early(self, room: int, pages: list[int]) -> RoomJob | None:
+    def _try_early(self, room: int, pages: list[int], *, fire: bool) -> RoomJob | None:
         try:
-            return self._start_early(room, pages)
+            job = self._arm_early(room, pages)
         except Exception:  # the worker sends the room its usual way; the engine goes on
             log.exception("room %s: an early write could not start", room)
             return None
+        if job is not None and fire:
+            self._fire(room, job)
+        return job
+
+    def _fire(self, room: int, job: RoomJob) -> None:
+        """Launch the armed writes on this thread's stream (a failure leaves that decode
+        rank to the worker, which writes it by descriptors)."""
+        for decode_rank, armed in list(job.armed.items()):
+            try:
+                job.early[decode_rank] = armed.fire()
+            except Exception:
+                log.exception("room %s: decode rank %s: the mapped write failed", room, decode_rank)
+        job.armed.clear()
 
     def _notify_landed(self, room: int, job: RoomJob, wait: bool = False) -> None:
         """Notify the early writes the stream has passed (wait: every one, once it
         landed), on the caller's thread; a failure leaves the write to the worker,
-        which reports it."""
+        which reports it. Writes whose doorbell the device rang are left to the worker
+        (it only times them)."""
         for decode_rank, started in job.early.items():
-            if started.done_s is not None or not (wait or started.ended.query()):
+            rung = started.bell is not None and started.pending.rung
+            if rung or started.done_s is not None or not (wait or started.ended.query()):
                 continue
             try:
                 self.mapped.finish(started, inline=True)
             except Exception:
                 log.exception("room %s: decode rank %s: the notification failed", room, decode_rank)
 
-    def _start_early(self, room: int, pages: list[int]) -> RoomJob | None:
+    def _arm_early(self, room: int, pages: list[int]) -> RoomJob | None:
         state = self.snapshot(room, 0.0, RoomWait.registered())
         registrations = state.get("registrations") or {}
         if state.get("closed") or not registrations:
@@ -193,15 +223,15 @@ class KVSender:
             return job  # faults go the worker's way
         for decode_rank, layout, writer, reg, peer in ready:
             try:
-                started = self.mapped.start(room, pages, reg, layout, writer, peer)
+                armed = self.mapped.arm(room, pages, reg, layout, writer, peer)
             except Exception:  # the worker writes this rank by descriptors and reports
                 log.exception(
                     "room %s: decode rank %s: the mapped write did not start", room, decode_rank
                 )
                 continue
-            if started is not None:
-                job.early[decode_rank] = started
-        if job.early and not self._said_early:
+            if armed is not None:
+                job.armed[decode_rank] = armed
+        if job.armed and not self._said_early:
             self._said_early = True
             log.info("room %s: KV writes start behind the forward (decode pool mapped)", room)
         return job
@@ -317,8 +347,7 @@ class KVSender:
             if registration.mode == "staging":
                 sent, count, waited = self._staged(room, pages, registration, layout, writer, job)
             else:
-                sent, count = self._direct(room, pages, registration, layout, writer, job)
-                waited = 0.0
+                sent, count, waited = self._direct(room, pages, registration, layout, writer, job)
             busy += time.perf_counter() - started - waited
             total, segments = total + sent, segments + count
         # write_ms: gathering, digests and writes only (not waiting for decode's regions)
@@ -424,57 +453,12 @@ class KVSender:
         layout: StagingLayout,
         writer: int,
         job: RoomJob,
-    ) -> tuple[int, int]:
-        piece = layout.slices[writer]
-        peer = self._peer(reg)
-        # Where the transport maps decode's pool here: pages and digests in one launch,
-        # then the notification alone (fault injection goes by descriptors, below).
-        mapped = None if job.faults.corrupt_kv else self.mapped.start(
-            room, pages, reg, layout, writer, peer
-        )  # fmt: skip
-        if mapped is not None:
-            self.mapped.finish(mapped)
-            return mapped.nbytes, 0
-        src, dst, lengths = direct_descriptors(
-            self.kv_bases,
-            [address for pair in reg.kv_bases for address in pair],
-            pages,
-            reg.pages,
-            KVRows(
-                page_size=self.kv.page_size,
-                head_bytes=reg.head_dim * reg.elem_bytes,
-                src_heads=self.kv.k_buffers[0].shape[1],
-                dst_heads=reg.kv_heads,
-                piece=piece,
-            ),
+    ) -> tuple[int, int, float]:
+        plan = plan_segments(
+            len(pages), self.kv.page_size, layout.bytes_per_token(), reg.segment_bytes
         )
-        plan = self._plan(pages, layout, reg)
-        started = time.perf_counter()
-        pending = start_page_digests(  # read in place: one launch on a GPU, beside the write
-            self.kv.k_buffers, self.kv.v_buffers, pages,
-            [(segment.page_start, segment.num_pages) for segment in plan],
-            head_start=piece.src_head_start, num_heads=piece.num_heads,
-            page_size=self.kv.page_size,
+        sent = self.direct.write(
+            room, pages, reg, layout, writer, self._peer(reg), plan, job.faults.corrupt_kv,
+            job.clock,
         )  # fmt: skip
-        job.clock.digest += time.perf_counter() - started
-        nbytes = int(lengths.sum())
-
-        def message() -> bytes:  # made once the copy is done (or before, by other transports)
-            waited = time.perf_counter()
-            digests = [d for part in pending.result() for d in part]
-            job.clock.digest += time.perf_counter() - waited
-            return proto.notify_message(room, proto.DIRECT_SEGMENT, self.rank, digests, nbytes)
-
-        if not job.faults.corrupt_kv:
-            self.transport.write(peer, src, dst, lengths, notify=message)
-        else:  # fault injection: one byte of decode's first page, then the notification
-            self.transport.write(peer, src, dst, lengths)
-            self._corrupt_remote(peer, int(src[0]), int(dst[0]), message())
-        return nbytes, 0
-
-    def _corrupt_remote(self, peer: Peer, src: int, dst: int, notify: bytes) -> None:
-        """Overwrite the byte at `dst` with the byte at `src` (just sent there) flipped."""
-        sent = ctypes.c_uint8.from_address(src).value
-        with self._buffer() as buffer:
-            buffer.view(0, 1)[0] = sent ^ 0x5A
-            self.transport.write(peer, [buffer.ptr], [dst], [1], notify=notify)
+        return sent, 0, 0.0

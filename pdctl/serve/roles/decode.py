@@ -112,6 +112,9 @@ class DecodeHooks:
         ready.record(dev.current_device_stream(self.rank.device))
         self.receiver.receive(request.room, pages, request.prompt_len, request.bootstrap, ready)
 
+    def arm(self, request: Request) -> None:  # prefill's: decode writes no KV out
+        return None
+
     def forwarded(self, request: Request) -> None:  # prefill's: decode writes no KV out
         return
 

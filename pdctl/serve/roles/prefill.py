@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from pdctl.records import KVSent
@@ -108,6 +109,10 @@ class PrefillHooks:
         except PromptError as exc:
             raise BadRequest(f"prefill: {exc}", exc.field) from None
         request.embeds = splices(items, rows)
+
+    def arm(self, request: Request) -> Callable[[], None] | None:
+        assert request.room is not None and self.engine is not None
+        return self.sender.arm(request.room, self.engine.scheduler.prompt_pages(request))
 
     def forwarded(self, request: Request) -> None:
         assert request.room is not None and self.engine is not None

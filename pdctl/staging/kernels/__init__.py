@@ -334,6 +334,7 @@ class PendingDigests:
     ready: list[list[int]] | None = None
     host: torch.Tensor | None = None  # the sums in pinned host memory (`stage_to_host`)
     copied: Any = None  # a device event recorded after the copy to `host`
+    rung: bool = False  # the launch also rang a doorbell with the sums (`kernels.bell`)
 
     def stage_to_host(self) -> None:
         """Queue the sums' copy to pinned host memory behind the kernel (CUDA only), so

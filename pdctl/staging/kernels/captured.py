@@ -52,6 +52,7 @@ Named = Sequence[Sequence[torch.Tensor]]  # the tensor lists a call reads and wr
 
 class Slot(Protocol[T_co]):
     ids: np.ndarray  # the replay's ids, written by the host before `replay`
+    armed: bool  # ids written for a replay not yet launched (`CapturedCalls.arm`)
 
     def replay(self) -> T_co: ...
 
@@ -89,6 +90,7 @@ class CudaSlot:
         self.ids = self.pinned.numpy()
         self.device_ids = torch.empty(num_ids, dtype=torch.int64, device=device)
         self.device = device
+        self.armed = False
         fallback = torch.cuda.Event  # cuda-only: graphs are CUDA's
         self.done: Any = held.held_event(device) or fallback()
         self.used = False
@@ -160,28 +162,50 @@ class CapturedCalls(Generic[T]):
         """`eager(ids)`, or its replay. `named`: the tensor lists the call reads and
         writes (a shape replays only with these very tensors); `host_ids()` checks the
         ids (raising as the eager path does) and returns them as int64 numpy."""
+        return self.arm(key, named, device, host_ids, eager, ids)()
+
+    def arm(
+        self,
+        key: tuple[Any, ...],
+        named: Named,
+        device: torch.device,
+        host_ids: Callable[[], np.ndarray],
+        eager: Callable[[Any], T],
+        ids: Any,
+    ) -> Callable[[], T]:
+        """`call`'s work up to the launch; the function it returns launches (a replay,
+        or the eager call), at once or later, on any thread (the caller's current
+        stream then). A replay's slot is armed until launched: a shape whose next slot
+        is still armed goes the eager way for that call."""
         shapes = self._shapes()
         shape = shapes.get(key)
         if shape is None or not shape.names(named):
-            value = eager(ids)  # checks every argument
             shapes[key] = _Shape(tuple(tuple(tensors) for tensors in named))
             if len(shapes) > MAX_SHAPES:
                 shapes.popitem(last=False)
-            return value
+            return lambda: eager(ids)  # checks every argument
         shapes.move_to_end(key)
         if shape.failed or shape.sights < self._sights:
             shape.sights += 1
-            return eager(ids)
+            return lambda: eager(ids)
         checked = host_ids()
         if not shape.slots:
-            return self._first(shape, checked, eager, device)
+            return lambda: self._first(shape, checked, eager, device)
         slot = shape.slots[shape.next]
+        if getattr(slot, "armed", False):
+            return lambda: eager(checked)
         shape.next = (shape.next + 1) % len(shape.slots)
         slot.wait()
         slot.ids[:] = checked
-        replayed: T = slot.replay()
-        self.replays += 1
-        return replayed
+        slot.armed = True
+
+        def replay() -> T:
+            slot.armed = False
+            replayed: T = slot.replay()
+            self.replays += 1
+            return replayed
+
+        return replay
 
     def _first(
         self, shape: _Shape, ids: np.ndarray, eager: Callable[[Any], T], device: torch.device

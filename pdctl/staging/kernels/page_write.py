@@ -18,13 +18,14 @@ What this does not know: how the peer's memory was mapped, or who is told.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from pdctl.staging.doorbell import SUMS
 from pdctl.staging.kernels import (
     _ALIGNED,
     _DIGEST_TABLES,
@@ -130,12 +131,39 @@ def start_page_write(
     num_heads: int,
     page_size: int,
     backend: str | None = None,
+    bell: tuple[int, int] | None = None,
 ) -> PendingDigests:
     """Heads [head_start, +num_heads) of every layer's K and V for `page_indices`
     written into the target's pages, and each segment's (page_start, num_pages) page
     digests of what was written. Triton: one launch on the current stream; the bytes
     are in place once `result()` returns. Elsewhere the copies and digests are done
-    when this returns."""
+    when this returns.
+
+    `bell`: (a doorbell slot's device address, its sequence number): with Triton the
+    launch ends by ringing it with the digest sums (`kernels.bell`; the result says
+    `rung`); elsewhere nothing rings (the caller rings from the host)."""
+    return arm_page_write(
+        k_buffers, v_buffers, page_indices, target, segments, head_start=head_start,
+        num_heads=num_heads, page_size=page_size, backend=backend, bell=bell,
+    )()  # fmt: skip
+
+
+def arm_page_write(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: PageIndices,
+    target: PeerPages,
+    segments: Sequence[tuple[int, int]],
+    *,
+    head_start: int,
+    num_heads: int,
+    page_size: int,
+    backend: str | None = None,
+    bell: tuple[int, int] | None = None,
+) -> Callable[[], PendingDigests]:
+    """`start_page_write`'s checks and host work (a replay's ids in its pinned slot);
+    the function it returns launches, at once or later, on the current stream of
+    whichever thread calls it (the write reads the pages when the stream gets there)."""
     kvset = prepare_kv(k_buffers, v_buffers)
     info = kvset.info
     _check_heads(head_start, num_heads, info, "source")
@@ -155,20 +183,25 @@ def start_page_write(
     if name == "triton" and kvset.max_word >= 4 and head_bytes % 4 == 0 and segments:
         word_cols = (head_start * head_bytes // 4, target.head_start * head_bytes // 4)
         num_cols = num_heads * head_bytes // 4
-        return _launch(
-            kvset.views(4), checked, (pages, dst_pages), segments, page_size, word_cols, num_cols
-        )
-    write_pages_reference(
-        k_buffers, v_buffers, pages, target, head_start=head_start, num_heads=num_heads,
-        page_size=page_size,
-    )  # fmt: skip
-    return start_page_digests(
-        k_buffers, v_buffers, pages, segments, head_start=head_start, num_heads=num_heads,
-        page_size=page_size, backend=name,
-    )  # fmt: skip
+        return _arm(
+            kvset.views(4), checked, (pages, dst_pages), segments, page_size, word_cols,
+            num_cols, bell,
+        )  # fmt: skip
+
+    def reference() -> PendingDigests:
+        write_pages_reference(
+            k_buffers, v_buffers, pages, target, head_start=head_start, num_heads=num_heads,
+            page_size=page_size,
+        )  # fmt: skip
+        return start_page_digests(
+            k_buffers, v_buffers, pages, segments, head_start=head_start, num_heads=num_heads,
+            page_size=page_size, backend=name,
+        )  # fmt: skip
+
+    return reference
 
 
-def _launch(
+def _arm(
     views: list[torch.Tensor],
     checked: _Checked,
     page_lists: tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor],
@@ -176,13 +209,16 @@ def _launch(
     page_size: int,
     col_starts: tuple[int, int],
     num_cols: int,
-) -> PendingDigests:
-    """The Triton path: source and target (page ids, first int32 column) in one launch.
+    bell: tuple[int, int] | None,
+) -> Callable[[], PendingDigests]:
+    """The Triton path: source and target (page ids, first int32 column) in one launch,
+    and the doorbell after it.
 
     Host page ids on CUDA go through `WRITES`: a write that comes back the same (these
     KV lists, this target, as many pages, the same segments) is replayed from a CUDA
-    graph holding the ids' upload, the launch, the sums and their copy to pinned host
-    memory, so its host work is a copy of the ids and one graph launch."""
+    graph holding the ids' upload, the launch, the sums, their copy to pinned host
+    memory and the ring, so its host work is a copy of the ids and one graph launch."""
+    from pdctl.staging.kernels.bell import ring_from_device
     from pdctl.staging.kernels.digests import PageRows, launch_page_digest_sums, segment_table
 
     pages, dst_pages = page_lists
@@ -190,7 +226,7 @@ def _launch(
     segments = list(segments)
     words = [count * page_size * num_cols for _, count in segments]
 
-    def launch(tables: tuple[torch.Tensor | None, Any, Any]) -> PendingDigests:
+    def launch(tables: tuple[torch.Tensor | None, Any, Any], rings: Any) -> PendingDigests:
         described, src, dst = tables
         source = PageRows(
             _DIGEST_TABLES.get(views), src, views[0].shape[1], col_starts[0], _ALIGNED.get(views)
@@ -202,20 +238,25 @@ def _launch(
             source, segments, num_buffers=len(views), page_size=page_size, num_cols=num_cols,
             target=target, described=described,
         )  # fmt: skip
-        return PendingDigests(sums, words, len(views))
+        if rings is not None:
+            ring_from_device(rings[0], rings[1], sums, SUMS)
+        return PendingDigests(sums, words, len(views), rung=rings is not None)
 
+    bell_ids = np.asarray(bell if bell is not None else [], dtype=np.int64)
     if not (_capturable(device) and isinstance(pages, np.ndarray)):
-        return launch((None, pages, dst_pages))
+        rings = None if bell is None else (_uploaded(bell_ids, device), 0)
+        return lambda: launch((None, pages, dst_pages), rings)
     assert isinstance(dst_pages, np.ndarray)  # both host ids, or both device ones
-    joined, parts = _joined([segment_table(segments, page_size), pages, dst_pages])
+    joined, parts = _joined([segment_table(segments, page_size), pages, dst_pages, bell_ids])
 
     def eager(ids: np.ndarray | torch.Tensor) -> PendingDigests:
         on_device = ids if isinstance(ids, torch.Tensor) else _uploaded(ids, device)
-        described, src, dst = (on_device[start:end] for start, end in parts)
-        return launch((described, src, dst))
+        described, src, dst = (on_device[start:end] for start, end in parts[:3])
+        rings = None if bell is None else (on_device, parts[3][0])
+        return launch((described, src, dst), rings)
 
-    key = (page_size, tuple(segments), len(pages), col_starts, num_cols)
-    return WRITES.call(key, (views, checked.views), device, lambda: joined, eager, joined)
+    key = (page_size, tuple(segments), len(pages), col_starts, num_cols, bell is not None)
+    return WRITES.arm(key, (views, checked.views), device, lambda: joined, eager, joined)
 
 
 class WriteSlot(CudaSlot):
@@ -238,8 +279,9 @@ class WriteSlot(CudaSlot):
     def replay(self) -> PendingDigests:
         captured = super().replay()
         self.last = PendingDigests(
-            captured.sums, captured.words, captured.num_buffers, host=self.host, copied=self.done
-        )
+            captured.sums, captured.words, captured.num_buffers, host=self.host,
+            copied=self.done, rung=captured.rung,
+        )  # fmt: skip
         return self.last
 
     def wait(self) -> None:

@@ -187,6 +187,10 @@ class Transport(ABC):
     """One endpoint of a KV transport. Thread-safe: writes may come from many threads."""
 
     name: ClassVar[str]
+    # Whether a same-host peer may be told through a doorbell (`staging.doorbell`)
+    # instead of this transport's notification. pdctl's own transport: yes; the
+    # libraries keep their own notifications, so their figures stay theirs.
+    RINGS_BELLS: ClassVar[bool] = False
 
     def __init__(self, config: TransportConfig) -> None:
         self.config = config
@@ -413,6 +417,20 @@ class Transport(ABC):
             self._notifications.clear()
         return found
 
+    def take_notification(self, message: bytes, *, prefix: bool = False) -> Notification | None:
+        """The queued notification with this message (or starting with it), taken out;
+        None at once when there is none."""
+        self._poll()
+        with self._notified:
+            return self._take(message, prefix)
+
+    def _take(self, message: bytes, prefix: bool) -> Notification | None:
+        for item in self._notifications:
+            if item.message == message or (prefix and item.message.startswith(message)):
+                self._notifications.remove(item)
+                return item
+        return None
+
     def wait_notification(
         self, message: bytes, timeout: float | None = None, *, prefix: bool = False
     ) -> Notification:
@@ -422,10 +440,9 @@ class Transport(ABC):
         while True:
             self._poll()
             with self._notified:
-                for item in self._notifications:
-                    if item.message == message or (prefix and item.message.startswith(message)):
-                        self._notifications.remove(item)
-                        return item
+                found = self._take(message, prefix)
+                if found is not None:
+                    return found
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TransferTimeout(

@@ -135,6 +135,7 @@ class Connection:
 
 class TcpTransport(Transport):
     name = "tcp"
+    RINGS_BELLS = True
     LATE_NOTICE = True  # a same-host write makes its notification after the copy
 
     def __init__(self, config: TransportConfig) -> None:

@@ -1,0 +1,111 @@
+"""A direct room's write to one decode rank: the pages straight into decode's pool.
+
+Where the transport maps decode's pool here, the mapped write (`mapped_write`: the
+pages and their digests in one launch); elsewhere descriptors, one per run of pages
+consecutive on both sides, and the page digests read in place beside the write.
+Decode is told by its doorbell where it offered one and its box opens here (after a
+mapped write the device rang it behind the pages; after a write by descriptors the
+host rings it, `bells`), else by the transport's notification with the digests.
+Fault injection (prefill's corrupt-kv) goes by descriptors and flips one byte of
+decode's first page after the digests were taken.
+
+What this does not know: rooms' registrations' arrival, or other decode ranks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from pdctl.serve.engine.kv_pool import KVPool
+from pdctl.serve.pd import protocol as proto
+from pdctl.serve.pd.mapped_write import MappedWriter
+from pdctl.staging.descriptors import KVRows, direct_descriptors, kv_bases
+from pdctl.staging.doorbell import DIGESTS, BellRinger, Ticket
+from pdctl.staging.kernels import start_page_digests
+from pdctl.staging.layout import Segment, StagingLayout
+from pdctl.staging.transport import Peer, Transport
+
+Buffer = Callable[[], AbstractContextManager[Any]]  # a staging buffer, held for one write
+
+
+class DirectWriter:
+    def __init__(
+        self, rank: int, kv: KVPool, transport: Transport, mapped: MappedWriter, buffer: Buffer
+    ) -> None:
+        self.rank, self.kv, self.transport = rank, kv, transport
+        self.mapped, self.buffer = mapped, buffer
+        self.kv_bases = kv_bases(kv.k_buffers, kv.v_buffers)  # [L0.K, L0.V, L1.K, ...]
+
+    def write(
+        self,
+        room: int,
+        pages: list[int],
+        reg: proto.Registration,
+        layout: StagingLayout,
+        writer: int,
+        peer: Peer,
+        plan: tuple[Segment, ...],
+        corrupt: bool,
+        clock: Any,
+    ) -> int:
+        """Write and tell decode; returns the bytes written. `clock.digest` gathers the
+        seconds spent on digests."""
+        mapped = None if corrupt else self.mapped.start(room, pages, reg, layout, writer, peer)
+        if mapped is not None:
+            self.mapped.finish(mapped)
+            return mapped.nbytes
+        piece = layout.slices[writer]
+        src, dst, lengths = direct_descriptors(
+            self.kv_bases, [address for pair in reg.kv_bases for address in pair], pages,
+            reg.pages,
+            KVRows(
+                page_size=self.kv.page_size, head_bytes=reg.head_dim * reg.elem_bytes,
+                src_heads=self.kv.k_buffers[0].shape[1], dst_heads=reg.kv_heads, piece=piece,
+            ),
+        )  # fmt: skip
+        started = time.perf_counter()
+        pending = start_page_digests(  # read in place: one launch on a GPU, beside the write
+            self.kv.k_buffers, self.kv.v_buffers, pages,
+            [(segment.page_start, segment.num_pages) for segment in plan],
+            head_start=piece.src_head_start, num_heads=piece.num_heads,
+            page_size=self.kv.page_size,
+        )  # fmt: skip
+        clock.digest += time.perf_counter() - started
+        nbytes = int(lengths.sum())
+        bell = self._bell(reg, writer)
+
+        def digests() -> list[int]:
+            waited = time.perf_counter()
+            found = [d for part in pending.result() for d in part]
+            clock.digest += time.perf_counter() - waited
+            return found
+
+        def message() -> bytes:  # made once the copy is done (or before, by other transports)
+            return proto.notify_message(room, proto.DIRECT_SEGMENT, self.rank, digests(), nbytes)
+
+        if corrupt:  # fault injection: one byte of decode's first page, then the notice
+            self.transport.write(peer, src, dst, lengths)
+            self._corrupt_remote(peer, int(src[0]), int(dst[0]), message())
+        elif bell is not None:  # the bytes are in place once `write` returns: ring
+            self.transport.write(peer, src, dst, lengths)
+            bell[0].ring(bell[1], DIGESTS, digests())
+        else:
+            self.transport.write(peer, src, dst, lengths, notify=message)
+        return nbytes
+
+    def _bell(self, reg: proto.Registration, writer: int) -> tuple[BellRinger, Ticket] | None:
+        if reg.bell is None or writer >= len(reg.bell.tickets):
+            return None
+        ringer = self.mapped.ringers.open(reg.bell.box)
+        return None if ringer is None else (ringer, reg.bell.tickets[writer])
+
+    def _corrupt_remote(self, peer: Peer, src: int, dst: int, notify: bytes) -> None:
+        """Overwrite the byte at `dst` with the byte at `src` (just sent there) flipped."""
+        sent = ctypes.c_uint8.from_address(src).value
+        with self.buffer() as buffer:
+            buffer.view(0, 1)[0] = sent ^ 0x5A
+            self.transport.write(peer, [buffer.ptr], [dst], [1], notify=notify)
