@@ -295,16 +295,34 @@ def test_triton_buffer_walks_are_bitwise(monkeypatch, block_t, block_b, steps, p
     run_case("triton", 3, page_size, (8, 4, 4), torch.bfloat16, seed=block_t + steps)
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    pages=st.lists(st.integers(-3, 5000), min_size=1, max_size=64),
-    num_pages=st.sampled_from([40, 64, 5000, 1 << 16]),  # small pools and large ones
-)
-def test_host_page_checks_catch_every_bad_list(pages, num_pages) -> None:
-    """Both strategies of the page check (pool-sized marks, per-thread stamps) agree
-    with the definition: every id in range, none twice."""
-    from pdctl.staging.kernels import _check_host_pages
+@pytest.mark.parametrize("in_c", [True, False], ids=["c", "numpy"])
+def test_host_page_checks_catch_every_bad_list(in_c: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every strategy of the page check (one pass in C; numpy's pool-sized marks or
+    per-thread stamps) agrees with the definition: every id in range, none twice; an
+    id outside is named before a repeat anywhere."""
+    from pdctl.staging.kernels import _check_host_pages, native
 
+    if in_c and not native.available()[0]:
+        pytest.skip(f"the C library is not built here: {native.available()[1]}")
+    if not in_c:
+        monkeypatch.setattr(native, "check_ids", lambda ids, num_pages: None)
+    with pytest.raises(ValueError, match="page index -1 is outside"):
+        _check_host_pages(np.array([1, 1, -1], dtype=np.int64), 8)
+    with pytest.raises(ValueError, match="page index 3 appears more than once"):
+        _check_host_pages(np.array([5, 3, 0, 3, 5], dtype=np.int64), 8)
+
+    @settings(max_examples=200, deadline=None)
+    @given(
+        pages=st.lists(st.integers(-3, 5000), min_size=1, max_size=64),
+        num_pages=st.sampled_from([40, 64, 5000, 1 << 16]),  # small pools and large ones
+    )
+    def check(pages: list[int], num_pages: int) -> None:
+        _check_pages_against_the_definition(_check_host_pages, pages, num_pages)
+
+    check()
+
+
+def _check_pages_against_the_definition(_check_host_pages, pages, num_pages) -> None:  # type: ignore[no-untyped-def]
     array = np.array(pages, dtype=np.int64)
     outside = any(p < 0 or p >= num_pages for p in pages)
     repeated = len(set(pages)) != len(pages)

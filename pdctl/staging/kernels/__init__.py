@@ -27,7 +27,7 @@ import torch
 from pdctl.staging import device as dev
 from pdctl.staging.descriptors import pointer_table
 from pdctl.staging.digest import block_digests, digests_of_sums
-from pdctl.staging.kernels import captured
+from pdctl.staging.kernels import captured, native
 from pdctl.staging.kernels.base import BufferCache, backend_names, default_backend, get_backend
 from pdctl.staging.kernels.captured import CapturedCalls
 from pdctl.staging.kernels.kvset import WORD_DTYPES, KVInfo, KVSet, describe_kv, prepare_kv
@@ -90,6 +90,14 @@ def _check_host_pages(pages: np.ndarray, num_pages: int) -> None:
     stamp, so reading the stamps back differs exactly where ids repeat, and nothing
     proportional to the pool is touched.
     """
+    found = native.check_ids(pages, num_pages)  # one pass in C, where it is built
+    if found is not None:
+        position, repeated = found
+        if position < 0:
+            return
+        if not repeated:
+            _raise_outside(pages, num_pages)
+        raise ValueError(f"page index {int(pages[position])} appears more than once")
     if int(pages.min()) < 0 or int(pages.max()) >= num_pages:
         _raise_outside(pages, num_pages)
     if num_pages <= 16 * len(pages):

@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -65,17 +66,57 @@ def build() -> Path:
 
 
 @functools.cache
-def _function() -> tuple[Any, str]:  # (the C function or None, why)
+def _library() -> tuple[Any, str]:  # (the library or None, why)
     if not ENABLED:
         return None, "turned off (PDCTL_NATIVE_STAGING=0)"
     try:
         library = ctypes.CDLL(str(build()))
     except OSError as exc:
         return None, str(exc)
-    function = library.pdctl_copy_rows
-    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_int] * 2
-    function.restype = ctypes.c_int
-    return function, "built"
+    copy = library.pdctl_copy_rows
+    copy.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_int] * 2
+    copy.restype = ctypes.c_int
+    check = library.pdctl_check_ids
+    check.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                      ctypes.c_uint32, ctypes.POINTER(ctypes.c_int)]  # fmt: skip
+    check.restype = ctypes.c_int64
+    return library, "built"
+
+
+def _function() -> tuple[Any, str]:  # (the C copy or None, why)
+    library, why = _library()
+    return (None if library is None else library.pdctl_copy_rows), why
+
+
+class _Stamps(threading.local):
+    """Per thread: the check's stamp words and this call's generation."""
+
+    def __init__(self) -> None:
+        self.words = np.zeros(0, dtype=np.uint32)
+        self.stamp = 0
+
+
+_STAMPS = _Stamps()
+
+
+def check_ids(ids: np.ndarray, num_pages: int) -> tuple[int, bool] | None:
+    """The first bad page id of a contiguous int64 array, in C: (its position, whether
+    it repeats an earlier one; else it lies outside [0, num_pages)); (-1, False) when
+    every id is good; None where the C library is not built (the caller checks)."""
+    library, _ = _library()
+    if library is None or ids.dtype != np.int64 or not ids.flags.c_contiguous:
+        return None
+    stamps = _STAMPS
+    if len(stamps.words) < num_pages or stamps.stamp >= 0xFFFFFFFF:
+        stamps.words = np.zeros(max(num_pages, 2 * len(stamps.words)), dtype=np.uint32)
+        stamps.stamp = 0
+    stamps.stamp += 1
+    repeated = ctypes.c_int(0)
+    position = library.pdctl_check_ids(
+        ids.ctypes.data, len(ids), num_pages, stamps.words.ctypes.data, stamps.stamp,
+        ctypes.byref(repeated),
+    )  # fmt: skip
+    return int(position), bool(repeated.value)
 
 
 def available() -> tuple[bool, str]:

@@ -80,3 +80,29 @@ int pdctl_copy_rows(const int64_t *table, const int64_t *pages, uint8_t *staging
     }
     return status;
 }
+
+/* Range and duplicate check of page ids in one pass (every host page list is checked
+ * before a copy or a replay reads it). stamps: num_pages words, each below `stamp`
+ * (the caller's generation for this call, never reused before the words are cleared).
+ * Returns -1 when every id lies in [0, num_pages) and none repeats; else the position of
+ * the first id outside (*repeated = 0: an id outside wins over a repeat anywhere, as the
+ * numpy check reports it), or of the first id seen before (*repeated = 1). */
+int64_t pdctl_check_ids(const int64_t *ids, int64_t count, int64_t num_pages,
+                        uint32_t *stamps, uint32_t stamp, int *repeated) {
+    int64_t first_repeat = -1;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t id = ids[i];
+        if (id < 0 || id >= num_pages) {
+            *repeated = 0;
+            return i;
+        }
+        if (stamps[id] == stamp) {
+            if (first_repeat < 0)
+                first_repeat = i;
+        } else {
+            stamps[id] = stamp;
+        }
+    }
+    *repeated = first_repeat >= 0;
+    return first_repeat;
+}
