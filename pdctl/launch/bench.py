@@ -7,6 +7,8 @@ time (from `meta_info.kv_transfer`), end-to-end tokens/s; then the same workload
 with `concurrency` requests in flight gives throughput. A colocated server of the
 same model (TP 1) runs the same workload last; the report gives PD / colocated.
 
+Every configuration is warmed up first with WARMUP requests as long as the workload's
+(a steady server's state: connections open, kernels compiled, write graphs captured).
 Two transfer times: `transfer_ms` is decode's (from the request's admission until
 its KV is scattered and checked: it includes waiting for prefill to compute the
 prompt); `write_ms_mean` is prefill's own time gathering, digesting and writing
@@ -34,6 +36,7 @@ from pdctl.records import KVSent, KVTransfer, ServerInfo
 from pdctl.topology import TopologyError, load_file
 
 BACKENDS = ("tcp", "mooncake", "nixl")
+WARMUP = 4  # full-length warm-up requests before the measured ones
 MODULES = {"mooncake": ("mooncake",), "nixl": ("nixl", "nixl_cu12", "nixl_cu13")}
 
 
@@ -113,7 +116,12 @@ def measure(
     concurrency: int,
     prefill_url: str | None = None,
 ) -> dict[str, Any]:
-    _stream_one(url, prompts[0][:8], 2)  # warm-up: connections, first-call costs
+    # Warm-up: connections and first-call costs, then WARMUP prompts as long as the
+    # workload's (not among them: no cache hit), so that the graphs a steady server
+    # has for writes of this size exist (they are captured on a size's fourth write).
+    _stream_one(url, prompts[0][:8], 2)
+    for prompt in workload(WARMUP, len(prompts[0]), seed=1):
+        _stream_one(url, prompt, 2)
     before = _kv_sent(prefill_url)
     serial = [_stream_one(url, prompt, new_tokens) for prompt in prompts]
     after = _kv_sent(prefill_url)

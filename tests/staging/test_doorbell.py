@@ -185,8 +185,9 @@ def _device_ring(box: BellBox, ringer: BellRinger, ticket: Ticket, values: torch
     else:
         assert ringer.device_slot(ticket.slot, values.device) is None  # no device path here
         address = ringer.slot_address(ticket.slot)
-    ids = torch.tensor([3, 4, address, ticket.seq], dtype=torch.int64, device=values.device)
-    ring_from_device(ids, 2, values, SUMS)
+    count = values.numel()
+    ids = torch.tensor([3, 4, address, ticket.seq, count], dtype=torch.int64, device=values.device)
+    ring_from_device(ids, 2, torch.cat([values, values[:1] + 1]), SUMS)  # the count is the ids'
 
 
 @settings(max_examples=12, deadline=None)
@@ -204,6 +205,23 @@ def test_the_device_ring_carries_the_values_and_the_hosts_check_word(values: lis
         assert check_word(ticket.seq, SUMS, rung[1]) == box._mapped.words[
             box._mapped.base(ticket.slot) + CHECK
         ].astype(np.uint64)
+    finally:
+        ringer.close()
+        box.close()
+
+
+def test_a_device_ring_walks_more_values_than_one_step_holds() -> None:
+    from pdctl.staging.kernels import bell
+
+    box = BellBox(1, 3 * bell.BLOCK)
+    ringer = BellRinger(box.info)
+    try:
+        ticket = box.ticket()
+        assert ticket is not None
+        values = torch.arange(2 * bell.BLOCK + 5, dtype=torch.int64, device=DEVICE) * (2**40 + 1)
+        _device_ring(box, ringer, ticket, values)
+        rung = box.read(ticket)
+        assert rung is not None and rung[1].tolist() == values.cpu().tolist()
     finally:
         ringer.close()
         box.close()
@@ -238,8 +256,8 @@ def test_the_device_rings_a_box_of_host_memory_from_a_cuda_graph() -> None:
     ringer = BellRinger(box.info)
     try:
         values = torch.arange(1, 9, dtype=torch.int64, device="cuda") * -3
-        pinned = torch.zeros(4, dtype=torch.int64, pin_memory=True)
-        ids = torch.zeros(4, dtype=torch.int64, device="cuda")
+        pinned = torch.zeros(5, dtype=torch.int64, pin_memory=True)
+        ids = torch.zeros(5, dtype=torch.int64, device="cuda")
         first = box.ticket()
         assert first is not None
         _device_ring(box, ringer, first, values)  # compiles the kernel before the capture
@@ -256,7 +274,7 @@ def test_the_device_rings_a_box_of_host_memory_from_a_cuda_graph() -> None:
             assert ticket is not None
             address = ringer.device_slot(ticket.slot, values.device)
             assert address is not None
-            pinned[2], pinned[3] = address, ticket.seq
+            pinned[2], pinned[3], pinned[4] = address, ticket.seq, 8
             graph.replay()
             rung = box.wait(ticket, 5.0)
             assert rung is not None and rung[1].tolist() == values.cpu().tolist()

@@ -180,3 +180,69 @@ def test_replayed_writes_land_their_own_bytes_and_digests() -> None:
     for index, (pending, expected, _, _) in enumerate(unread):
         assert pending.result() == expected, index
     assert WRITES.replays - replays >= 3 * captured.SLOTS
+
+
+@pytest.mark.parametrize("segments", [[(0, 5)], [(0, 2), (2, 2), (4, 1)]])
+def test_the_launch_rings_decodes_doorbell_with_the_sums_of_its_digests(segments) -> None:
+    """With a bell the write's own launch rings it (the Triton path: interpreted on the
+    CPU, the box in host memory): the sums finalise to the digests the write gives."""
+    import numpy as np
+
+    from pdctl.staging.digest import digests_of_sums
+    from pdctl.staging.doorbell import SUMS, BellBox, BellRinger
+
+    device = "cuda" if CUDA else "cpu"
+    k, v = random_kv(2, 12 * 4, 4, 16, torch.bfloat16, 3, device)
+    pages, dst_pages = random_pages(12, 5, 3), random_pages(12, 5, 4)
+    target = _target(2, 12, 4, 2, 16, torch.bfloat16, device)
+    box = BellBox(2, 64)
+    ringer = BellRinger(box.info)
+    try:
+        ticket = box.ticket()
+        assert ticket is not None
+        address = ringer.device_slot(ticket.slot, torch.device(device))
+        pending = start_page_write(
+            k, v, pages, PeerPages(target, dst_pages, 0), segments, head_start=2,
+            num_heads=2, page_size=4, backend="triton",
+            bell=(address if address is not None else ringer.slot_address(ticket.slot),
+                  ticket.seq),
+        )  # fmt: skip
+        assert pending.rung
+        digests = [d for part in pending.result() for d in part]
+        rung = box.wait(ticket, 5.0)
+        assert rung is not None and rung[0] == SUMS and len(rung[1]) == 4 * len(segments)
+        words = np.repeat(np.asarray(pending.words, dtype=np.uint64), 4)
+        assert digests_of_sums(rung[1], words) == digests
+    finally:
+        ringer.close()
+        box.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
+def test_writes_of_other_lengths_in_one_bucket_replay_one_graph() -> None:
+    """Writes of 9 to 16 pages share a graph (`_Bucket`): each replay lands its own
+    pages and digests, the padding never read or written."""
+    from pdctl.staging.kernels.page_write import WRITES
+
+    k, v = random_kv(4, 64 * 16, 8, 128, torch.bfloat16, 13, "cpu")
+    kc, vc = [t.cuda() for t in k], [t.cuda() for t in v]
+    fresh = _target(4, 64, 16, 8, 128, torch.bfloat16, "cpu")
+    device_target = [b.cuda() for b in fresh]
+    captures, replays = WRITES.captures, WRITES.replays
+    for step, count in enumerate([9, 12, 16, 11, 13, 10, 15, 14, 9, 16]):
+        pages, dst_pages = random_pages(64, count, step), random_pages(64, count, step + 500)
+        segments = [(0, count)] if step % 2 else [(0, 8), (8, count - 8)]  # segments of 8
+        pending = start_page_write(
+            kc, vc, pages, PeerPages(device_target, dst_pages, 2), segments, head_start=2,
+            num_heads=4, page_size=16,
+        )  # fmt: skip
+        expected = page_digests(k, v, pages, segments, head_start=2, num_heads=4, page_size=16)
+        assert pending.result() == expected, (step, count)
+        rows = torch.cat([torch.arange(p * 16, (p + 1) * 16) for p in dst_pages.tolist()])
+        src_rows = torch.cat([torch.arange(p * 16, (p + 1) * 16) for p in pages.tolist()])
+        sources = [b for pair in zip(k, v, strict=True) for b in pair]
+        for landed, source in zip(device_target, sources, strict=True):
+            assert torch.equal(as_bits(landed.cpu()[rows, 2:6]), as_bits(source[src_rows, 2:6]))
+    assert WRITES.captures - captures <= 2  # one bucket per segment count
+    assert WRITES.replays - replays >= 4

@@ -33,7 +33,6 @@ from pdctl.serve.pd.client import Client, PeerCallError
 from pdctl.staging.allocator import Region
 from pdctl.staging.buffer import StagingRing, init_staging_allocator
 from pdctl.staging.descriptors import tensor_ptr
-from pdctl.staging.doorbell import Ticket
 from pdctl.staging.handler import DecodeStagingHandler, DigestMismatch, LandFaults, Offer
 from pdctl.staging.layout import Segment, StagingLayout, head_slices, plan_segments
 from pdctl.staging.transport import Transport, TransportError
@@ -283,25 +282,24 @@ class KVReceiver:
         layout: StagingLayout,
         wait: float,
         bootstrap: str,
-        rings: Callable[[int], tuple[Ticket, Callable[[int, Any], list[int]]] | None] = (
-            lambda writer: None
-        ),
-    ) -> tuple[list[list[int]], bool]:
-        """Digests from every writer of `segment`, in writer order, and whether every
-        writer told by its doorbell. `rings(writer)`: that writer's ticket and how its
-        ring's values become digests (None: it notifies by message).
+        bell: tuple[proto.BellOffer, tuple[Segment, ...]] | None = None,
+    ) -> tuple[list[list[int]], set[int]]:
+        """Digests from every writer of `segment`, in writer order, and the writers that
+        told by their doorbell. `bell`: the room's offer and its plan (the digest
+        segments a ring's sums are finalised by).
 
         Every second without news the room is looked up on prefill's bootstrap, so a
         prefill that died or failed the room ends the wait at once, with its reason.
         A writer with a ticket is also heard by message (one that could not open the
         box): its doorbell is waited on in slices of BELL_SLICE_S, messages between.
         """
-        digests, all_rung = [], True
+        digests: list[list[int]] = []
+        rang: set[int] = set()
         deadline = time.monotonic() + wait
         check_at = time.monotonic() + 1.0
         for writer, piece in enumerate(layout.slices):
             prefix = proto.notify_prefix(room, segment, piece.prefill_rank)
-            ring = rings(writer)
+            ticket = None if bell is None or self.bells is None else bell[0].tickets[writer]
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -314,10 +312,11 @@ class KVReceiver:
                 if time.monotonic() >= check_at:
                     self._check_prefill(room, bootstrap)
                     check_at = time.monotonic() + 1.0
-                if ring is not None and self.bells is not None:
-                    rung = self.bells.box.wait(ring[0], min(remaining, BELL_SLICE_S))
+                if ticket is not None and self.bells is not None and bell is not None:
+                    rung = self.bells.box.wait(ticket, min(remaining, BELL_SLICE_S))
                     if rung is not None:
-                        digests.append(ring[1](*rung))
+                        digests.append(self.bells.digests(*rung, piece, bell[1], self.kv))
+                        rang.add(writer)
                         break
                     note = self.transport.take_notification(prefix, prefix=True)
                 else:
@@ -329,9 +328,8 @@ class KVReceiver:
                         continue
                 if note is not None:
                     digests.append(list(proto.parse_notify(note.message)["digests"]))
-                    all_rung = False
                     break
-        return digests, all_rung and bool(layout.slices)
+        return digests, rang
 
     def _check_prefill(self, room: int, bootstrap: str) -> None:
         try:
@@ -367,29 +365,18 @@ class KVReceiver:
         )
         offer = self.bells.offer(layout, len(plan)) if self.bells is not None else None
         registration.bell = offer
-        read: set[int] = set()  # writers whose ring was read
+        rang: set[int] = set()  # writers whose ring was read: their tickets go back
         try:
             self._register(bootstrap, registration)
             wait = self.bootstrap_timeout + self.transfer_timeout
-
-            def rings(writer: int) -> tuple[Ticket, Callable[[int, Any], list[int]]] | None:
-                if offer is None or self.bells is None:
-                    return None
-                bells = self.bells
-
-                def digests(kind: int, values: Any) -> list[int]:
-                    read.add(writer)
-                    return bells.digests(kind, values, layout.slices[writer], plan, self.kv)
-
-                return offer.tickets[writer], digests
-
-            expected, rung = self._await(room, proto.DIRECT_SEGMENT, layout, wait, bootstrap, rings)
+            bell = None if offer is None else (offer, plan)
+            expected, rang = self._await(room, proto.DIRECT_SEGMENT, layout, wait, bootstrap, bell)
         finally:
             if offer is not None and self.bells is not None:
-                self.bells.give_back(offer, read)
+                self.bells.give_back(offer, rang)
         mismatch = handler.check_pages(pages, plan, expected)
         if mismatch is not None:
             raise self._corruption(room, mismatch, "direct write")
         nbytes = len(pages) * self.kv.page_size * layout.bytes_per_token()
-        notice = "bell" if rung else "message"
+        notice = "bell" if len(rang) == len(layout.slices) else "message"
         return {"bytes": nbytes, "segments": 0, "staging": False, "notice": notice}

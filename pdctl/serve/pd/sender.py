@@ -118,6 +118,8 @@ class KVSender:
             self.buffers.put(buffer)
         transport.register_tensor(kv.kv)  # direct page writes read the pool itself
         self.mapped = MappedWriter(rank, kv, transport)
+        if transport.RINGS_BELLS:  # same-host device writes are mapped writes: compile them now
+            self.mapped.warm()
         self.direct = DirectWriter(rank, kv, transport, self.mapped, self._buffer)
         self._said_early = False  # logged once: writes enqueued on the engine's thread
         self._prepared: dict[int, RoomJob | None] = {}  # room -> its job (`prepare`)

@@ -3,9 +3,10 @@
 `ring_from_device` enqueues one program on the current stream that copies `values`
 (int64 on the device: the write's digest sums) into a receiver's bell slot, then its
 check word, then the slot's sequence number (`doorbell`'s layout). The slot's device
-address and the sequence number are read from device memory (`ids[at]`, `ids[at+1]`),
-uploaded with the write's page ids, so a CUDA graph that captured the launch rings a
-new slot with a new number on every replay. The receiver's check word covers the
+address, the sequence number and how many values it carries are read from device
+memory (`ids[at]`, `ids[at+1]`, `ids[at+2]`), uploaded with the write's page ids, so
+a CUDA graph that captured the launch rings a new slot with a new number, and as many
+values as that write has, on every replay. The receiver's check word covers the
 order in which the stores become visible to its host.
 
 What this does not know: whose box it is, or what the values mean.
@@ -30,15 +31,16 @@ from pdctl.staging.doorbell import (
 )
 from pdctl.staging.kernels.launch import DirectLauncher
 
-MAX_VALUES = 1 << 14  # one program holds them all
+MAX_VALUES = 1 << 16  # a bell slot's values at most (one program walks them)
+BLOCK = 256  # values a step: one compiled kernel whatever a write's count
 
 
-@triton.jit(do_not_specialize=["at", "count", "kind"])
+@triton.jit(do_not_specialize=["at", "most", "kind"])
 def _ring_kernel(  # type: ignore[no-untyped-def]
     ids_ptr,
     values_ptr,
     at,
-    count,
+    most,
     kind,
     BLOCK: tl.constexpr,
     HEADER: tl.constexpr,
@@ -52,15 +54,18 @@ def _ring_kernel(  # type: ignore[no-untyped-def]
 ):
     slot = tl.load(ids_ptr + at).to(tl.pointer_type(tl.int64))
     seq = tl.load(ids_ptr + at + 1)
-    index = tl.arange(0, BLOCK)
-    mask = index < count
-    values = tl.load(values_ptr + index, mask=mask, other=0)
-    tl.store(slot + HEADER + index, values, mask=mask)
-    weights = index.to(tl.int64) * 2 + 3
-    total = tl.sum(values * weights, axis=0)  # wraps modulo 2**64, as numpy's uint64
+    count = tl.minimum(tl.load(ids_ptr + at + 2), most)  # never past `values`
+    total = tl.zeros([BLOCK], dtype=tl.int64)
+    for start in range(0, count, BLOCK):  # one compiled kernel for any count
+        index = start + tl.arange(0, BLOCK)
+        mask = index < count
+        values = tl.load(values_ptr + index, mask=mask, other=0)
+        tl.store(slot + HEADER + index, values, mask=mask)
+        total += values * (index.to(tl.int64) * 2 + 3)  # wraps modulo 2**64, as numpy's uint64
+    check = tl.sum(total, axis=0)
     count64 = count.to(tl.int64)
     kind64 = kind.to(tl.int64)
-    check = total + seq * C_SEQ + count64 * C_COUNT + kind64 * C_KIND
+    check += seq * C_SEQ + count64 * C_COUNT + kind64 * C_KIND
     tl.store(slot + COUNT_AT, count64)
     tl.store(slot + KIND_AT, kind64)
     tl.store(slot + CHECK_AT, check)
@@ -75,13 +80,15 @@ _RING = DirectLauncher(
 
 def ring_from_device(ids: torch.Tensor, at: int, values: torch.Tensor, kind: int) -> None:
     """Ring the slot whose device address is `ids[at]` with sequence number `ids[at+1]`
-    and `values` ([n] int64, n <= MAX_VALUES), enqueued on the current stream."""
+    and the first `ids[at+2]` of `values` ([n] int64, n <= MAX_VALUES; no more than n
+    are read), enqueued on the current stream."""
     count = values.numel()
     if values.dtype != torch.int64 or ids.dtype != torch.int64 or not 0 < count <= MAX_VALUES:
         raise ValueError(f"a device ring takes 1 to {MAX_VALUES} int64 values and int64 ids")
-    block = max(16, 1 << (count - 1).bit_length())
+    if ids.numel() < at + 3:
+        raise ValueError(f"the ids hold no ring at {at} (address, number, count)")
     constexprs = (
-        block, SLOT_HEADER, SEQ, CHECK, COUNT, KIND, CHECK_SEQ, CHECK_COUNT, CHECK_KIND,
+        BLOCK, SLOT_HEADER, SEQ, CHECK, COUNT, KIND, CHECK_SEQ, CHECK_COUNT, CHECK_KIND,
     )  # fmt: skip
     with dev.device_context(values.device):  # Triton launches on the thread's current device
         _RING((1, 1, 1), (ids, values.contiguous()), (at, count, kind), constexprs, 4)

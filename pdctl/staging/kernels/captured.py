@@ -179,11 +179,16 @@ class CapturedCalls(Generic[T]):
         host_ids: Callable[[], np.ndarray],
         eager: Callable[[Any], T],
         ids: Any,
+        ahead: Any = None,
     ) -> Callable[[], T]:
         """`call`'s work up to the launch; the function it returns launches (a replay,
         or the eager call), at once or later, on any thread (the caller's current
         stream then). A replay's slot is armed until launched: a shape whose next slot
-        is still armed goes the eager way for that call."""
+        is still armed goes the eager way for that call.
+
+        `ahead`: what the capture needs in place of the eager call's value; given, a
+        shape due for capture is captured here (capturing runs nothing on the device)
+        and its first replay launched later, so the launch never pays for a capture."""
         shapes = self._shapes()
         shape = shapes.get(key)
         if shape is None or not shape.names(named):
@@ -197,7 +202,10 @@ class CapturedCalls(Generic[T]):
             return lambda: eager(ids)
         checked = host_ids()
         if not shape.slots:
-            return lambda: self._first(shape, checked, eager, device)
+            if ahead is None:
+                return lambda: self._first(shape, checked, eager, device)
+            if not self._capture_shape(shape, device, len(checked), eager, ahead):
+                return lambda: eager(checked)
         slot = shape.slots[shape.next]
         if getattr(slot, "armed", False):
             return lambda: eager(checked)
@@ -219,10 +227,17 @@ class CapturedCalls(Generic[T]):
     ) -> T:
         """This call eagerly, then the shape's capture (which runs nothing)."""
         value = eager(ids)
+        self._capture_shape(shape, device, len(ids), eager, value)
+        return value
+
+    def _capture_shape(
+        self, shape: _Shape, device: torch.device, num_ids: int, eager: Eager, first: Any
+    ) -> bool:
         try:
-            shape.slots = self._capture(device, len(ids), eager, value)
+            shape.slots = self._capture(device, num_ids, eager, first)
             self.captures += 1
+            return True
         except Exception as exc:  # the shape goes the eager way from now on
             shape.failed = True
             log.warning("staging: a call shape could not be captured as a graph: %s", exc)
-        return value
+            return False

@@ -214,56 +214,144 @@ def _arm(
     """The Triton path: source and target (page ids, first int32 column) in one launch,
     and the doorbell after it.
 
-    Host page ids on CUDA go through `WRITES`: a write that comes back the same (these
-    KV lists, this target, as many pages, the same segments) is replayed from a CUDA
-    graph holding the ids' upload, the launch, the sums, their copy to pinned host
-    memory and the ring, so its host work is a copy of the ids and one graph launch."""
-    from pdctl.staging.kernels.bell import ring_from_device
-    from pdctl.staging.kernels.digests import PageRows, launch_page_digest_sums, segment_table
-
+    Host page ids on CUDA go through `WRITES`, in bucketed shapes (`_Bucket`): a write
+    whose bucket came back is replayed from a CUDA graph holding the ids' upload, the
+    launch, the sums, their copy to pinned host memory and the ring, so its host work
+    is a copy of the ids and one graph launch; the graph is captured when the write is
+    armed, never when it launches."""
     pages, dst_pages = page_lists
     device = views[0].device
     segments = list(segments)
     words = [count * page_size * num_cols for _, count in segments]
-
-    def launch(tables: tuple[torch.Tensor | None, Any, Any], rings: Any) -> PendingDigests:
-        described, src, dst = tables
-        source = PageRows(
-            _DIGEST_TABLES.get(views), src, views[0].shape[1], col_starts[0], _ALIGNED.get(views)
-        )
-        target = PageRows(
-            checked.table, dst, checked.views[0].shape[1], col_starts[1], checked.aligned
-        )
-        sums = launch_page_digest_sums(
-            source, segments, num_buffers=len(views), page_size=page_size, num_cols=num_cols,
-            target=target, described=described,
-        )  # fmt: skip
-        if rings is not None:
-            ring_from_device(rings[0], rings[1], sums, SUMS)
-        return PendingDigests(sums, words, len(views), rung=rings is not None)
-
-    bell_ids = np.asarray(bell if bell is not None else [], dtype=np.int64)
-    if not (_capturable(device) and isinstance(pages, np.ndarray)):
-        rings = None if bell is None else (_uploaded(bell_ids, device), 0)
-        return lambda: launch((None, pages, dst_pages), rings)
+    count = len(segments) * len(views)  # the sums the write's digests come from
+    if not isinstance(pages, np.ndarray):  # ids already on the device: as they are
+        ring = None if bell is None else np.asarray([*bell, count], dtype=np.int64)
+        rings = None if ring is None else (_uploaded(ring, device), 0)
+        launch = _Launch(views, checked, page_size, col_starts, num_cols, segments)
+        return lambda: launch.run((None, pages, dst_pages), rings, words)
     assert isinstance(dst_pages, np.ndarray)  # both host ids, or both device ones
-    joined, parts = _joined([segment_table(segments, page_size), pages, dst_pages, bell_ids])
+    bucket = _Bucket.of(segments, len(pages), len(views))
+    ring = np.asarray([*bell, count] if bell is not None else [], dtype=np.int64)
+    joined, parts = _joined([bucket.table(segments, page_size), bucket.padded(pages),
+                             bucket.padded(dst_pages), ring])  # fmt: skip
+    launch = _Launch(views, checked, page_size, col_starts, num_cols, bucket.segments)
 
     def eager(ids: np.ndarray | torch.Tensor) -> PendingDigests:
         on_device = ids if isinstance(ids, torch.Tensor) else _uploaded(ids, device)
         described, src, dst = (on_device[start:end] for start, end in parts[:3])
         rings = None if bell is None else (on_device, parts[3][0])
-        return launch((described, src, dst), rings)
+        return launch.run((described, src, dst), rings, words)
 
-    key = (page_size, tuple(segments), len(pages), col_starts, num_cols, bell is not None)
-    return WRITES.arm(key, (views, checked.views), device, lambda: joined, eager, joined)
+    if not _capturable(device):
+        return lambda: eager(joined)
+    key = (page_size, bucket.key, col_starts, num_cols, bell is not None)
+    replay = WRITES.arm(
+        key, (views, checked.views), device, lambda: joined, eager, joined, ahead=bucket.sums
+    )
+
+    def launched() -> PendingDigests:
+        pending = replay()
+        pending.words = words  # this write's segments (a replay's value is its shape's)
+        return pending
+
+    return launched
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """A write's shape as a graph is captured for it: its segment count and its page
+    count rounded up to powers of two (pages past the write's own are never read:
+    the kernel stops at each segment's tokens; segments past its own have none), so
+    one graph serves every prompt length of the bucket."""
+
+    num_segments: int
+    segment_pages: int  # the longest segment's pages (the grid's token blocks)
+    num_pages: int
+    num_buffers: int
+
+    @staticmethod
+    def of(segments: list[tuple[int, int]], num_pages: int, num_buffers: int) -> _Bucket:
+        longest = max(count for _, count in segments)
+        pages = _power_of_two(num_pages)
+        if len(segments) == 1:  # one segment: as long as the bucket's pages
+            longest = pages
+        return _Bucket(_power_of_two(len(segments)), longest, pages, num_buffers)
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.num_segments, self.segment_pages, self.num_pages
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """What the launch is sized by: as many segments, each as long as the longest."""
+        return [(0, self.segment_pages)] * self.num_segments
+
+    @property
+    def sums(self) -> int:
+        return self.num_segments * self.num_buffers
+
+    def table(self, segments: list[tuple[int, int]], page_size: int) -> np.ndarray:
+        from pdctl.staging.kernels.digests import segment_table
+
+        padded = [*segments, *[(0, 0)] * (self.num_segments - len(segments))]
+        return segment_table(padded, page_size)
+
+    def padded(self, ids: np.ndarray) -> np.ndarray:
+        out = np.zeros(self.num_pages, dtype=np.int64)
+        out[: len(ids)] = ids
+        return out
+
+
+def _power_of_two(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
+
+
+class _Launch:
+    """The launch of one write's tables: the page-digest kernel with its store on,
+    sized by `segments` (a bucket's, or the write's own), then the ring."""
+
+    def __init__(
+        self,
+        views: list[torch.Tensor],
+        checked: _Checked,
+        page_size: int,
+        col_starts: tuple[int, int],
+        num_cols: int,
+        segments: list[tuple[int, int]],
+    ) -> None:
+        self.views, self.checked, self.page_size = views, checked, page_size
+        self.col_starts, self.num_cols, self.segments = col_starts, num_cols, segments
+
+    def run(
+        self, tables: tuple[torch.Tensor | None, Any, Any], rings: Any, words: list[int]
+    ) -> PendingDigests:
+        from pdctl.staging.kernels.bell import ring_from_device
+        from pdctl.staging.kernels.digests import PageRows, launch_page_digest_sums
+
+        described, src, dst = tables
+        views, checked = self.views, self.checked
+        source = PageRows(
+            _DIGEST_TABLES.get(views), src, views[0].shape[1], self.col_starts[0],
+            _ALIGNED.get(views),
+        )  # fmt: skip
+        target = PageRows(
+            checked.table, dst, checked.views[0].shape[1], self.col_starts[1], checked.aligned
+        )
+        sums = launch_page_digest_sums(
+            source, self.segments, num_buffers=len(views), page_size=self.page_size,
+            num_cols=self.num_cols, target=target, described=described,
+        )  # fmt: skip
+        if rings is not None:
+            ring_from_device(rings[0], rings[1], sums, SUMS)
+        return PendingDigests(sums, words, len(views), rung=rings is not None)
 
 
 class WriteSlot(CudaSlot):
     """A captured write: the graph also copies the sums to this slot's pinned host
-    memory. A replay hands out digests that read it; before the slot is written again,
-    the last ones it handed out are read (so a new replay never overwrites sums a
-    caller has yet to see)."""
+    memory, unless the write rings a doorbell with them (then decode reads them there,
+    and this process needs no copy). A replay hands out digests that read it; before
+    the slot is written again, the last ones it handed out are read (so a new replay
+    never overwrites sums a caller has yet to see)."""
 
     def __init__(self, device: torch.device, num_ids: int, eager: Eager, pool: Any, sums: int):
         self.host = torch.empty(sums, dtype=torch.int64, pin_memory=True)
@@ -273,14 +361,19 @@ class WriteSlot(CudaSlot):
     def body(self, eager: Eager, device_ids: torch.Tensor) -> Any:
         pending = eager(device_ids)
         assert pending.sums is not None
-        self.host.copy_(pending.sums, non_blocking=True)
+        if not pending.rung:
+            self.host.copy_(pending.sums, non_blocking=True)
         return pending
 
     def replay(self) -> PendingDigests:
         captured = super().replay()
+        if captured.rung:  # told by the doorbell: the sums stay on the device (result()
+            # reads them there, valid until this slot's next replay; nobody here asks)
+            self.last = None
+            return PendingDigests(captured.sums, captured.words, captured.num_buffers, rung=True)
         self.last = PendingDigests(
             captured.sums, captured.words, captured.num_buffers, host=self.host,
-            copied=self.done, rung=captured.rung,
+            copied=self.done,
         )  # fmt: skip
         return self.last
 
@@ -291,10 +384,15 @@ class WriteSlot(CudaSlot):
 
 
 def _capture_writes(
-    device: torch.device, num_ids: int, eager: Eager, first: PendingDigests
+    device: torch.device, num_ids: int, eager: Eager, first: PendingDigests | int
 ) -> list[Any]:
-    assert first.sums is not None
-    sums = first.sums.numel()
+    """The slots of a write shape (`first`: the sums its writes give, or an eager
+    write's digests, whose sums say it)."""
+    if isinstance(first, int):
+        sums = first
+    else:
+        assert first.sums is not None
+        sums = first.sums.numel()
     return capture_slots(device, lambda pool: WriteSlot(device, num_ids, eager, pool, sums))
 
 
