@@ -80,6 +80,8 @@ def _transport(name: str, info: dict[str, Any]) -> None:
         parts.append(tent_line(info))
     if name == "tcp":
         parts.append("same-host direct writes" if info.get("same_host_direct") else "TCP only")
+        bells = info.get("doorbells_detail", "")
+        parts.append(f"doorbells ({bells})" if info.get("doorbells") else f"no doorbells: {bells}")
     out.print(f"[green]{name}[/green]: " + escape("; ".join(p for p in parts if p)))
     if info.get("warning"):
         console.warning(f"{name}: {info['warning']}")

@@ -199,6 +199,9 @@ def kv_summary(report: Report) -> str | None:
         f"{max(t.segments or 0 for t in transfers)} segments), "
         f"{total / (1 << 20):.2f} MiB in all"
     )
+    rung = sum(1 for t in transfers if t.notice == "bell")
+    if rung:  # what engaged: decode told by its doorbell, not a message
+        line += f"; {rung} told by doorbell"
     timed = [t for t in transfers if t.write_ms is not None]
     if timed:
         writes = sorted(float(t.write_ms or 0) for t in timed)

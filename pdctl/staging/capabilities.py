@@ -89,9 +89,11 @@ def _triton() -> dict[str, Any]:
 
 
 def _tcp() -> dict[str, Any]:
+    from pdctl.staging import doorbell
     from pdctl.staging.transport import device_ipc, fastpath
 
     ok, reason = fastpath.probe()
+    bells, bells_how = doorbell.probe()
     found = devices()
     ipc = {kind: device_ipc.mechanism(kind) for kind in DEVICE_TYPES if found.get(kind)}
     same_host = [f"{kind} over {name}" for kind, name in ipc.items() if name]
@@ -112,6 +114,8 @@ def _tcp() -> dict[str, Any]:
         "device_ipc": ipc,
         "same_host_direct": ok,
         "detail": reason,
+        "doorbells": bells,  # same-host direct rooms told without a message
+        "doorbells_detail": bells_how,
     }
 
 

@@ -305,3 +305,28 @@ class BellRinger:
                 hostmap.forget(self._mapped.address)  # before the memory goes
             self._device.clear()
         self._mapped.close()
+
+
+def probe() -> tuple[bool, str]:
+    """Whether doorbells work here: a box made, opened again through its path as a
+    ringer would, rung and read back. (True, how) or (False, why not)."""
+    if not futex.available():
+        return False, "no futexes on this machine (Linux on x86_64 or aarch64 only)"
+    try:
+        box = BellBox(1, 1)
+    except OSError as exc:
+        return False, f"no shared memory for a box: {exc}"
+    try:
+        ringer = BellRinger(box.info)
+        ticket = box.ticket()
+        assert ticket is not None
+        ringer.ring(ticket, DIGESTS, [7])
+        ringer.close()
+        rung = box.wait(ticket, 1.0)
+        if rung is None or rung[1].tolist() != [7]:
+            return False, "a ring did not read back"
+        return True, "memfd box, futex waits"
+    except OSError as exc:
+        return False, f"a box cannot be opened through /proc: {exc}"
+    finally:
+        box.close()

@@ -28,6 +28,7 @@ def test_doctor_json_is_clean_and_truthful() -> None:
     report = json.loads(result.stdout)  # no library log line leaked into stdout
     transports = report["transports"]
     assert transports["tcp"]["importable"] and transports["tcp"]["same_host_direct"] is True
+    assert transports["tcp"]["doorbells"] is True, transports["tcp"]["doorbells_detail"]
     assert transports["mooncake"]["importable"], transports["mooncake"]
     mooncake = transports["mooncake"]
     assert mooncake["tent_built"] is False  # the published CPU wheel has no TENT

@@ -129,6 +129,9 @@ def test_the_four_device_layouts_pass_on_the_cpu(tmp_path: Path) -> None:
         assert all(t["digest_ok"] and t["bytes"] > 0 and t["write_ms"] > 0 for t in transfers)
         # equal TP writes pages directly; TP1 -> TP4 gathers each rank's head slice
         assert all(t["staging"] is name.startswith("cpu-p1d4") for t in transfers)
+        # pdctl's transport tells a direct room's decode ranks by their doorbells
+        bell = name == "cpu-p2d2-tcp"
+        assert all(t["notice"] == ("bell" if bell else "message") for t in transfers), name
 
 
 def test_the_gpu_4_suite_skips_here_naming_the_gpus_it_needs(tmp_path: Path) -> None:
