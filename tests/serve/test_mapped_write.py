@@ -14,7 +14,7 @@ import torch
 from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.pd import mapped_write
 from pdctl.serve.pd import protocol as proto
-from pdctl.serve.pd.mapped_write import EnqueueProfile, GcClock, MappedWriter
+from pdctl.serve.pd.mapped_write import EnqueueProfile, GcClock, MappedWriter, RoomWrite
 from pdctl.staging.doorbell import DIGESTS, BellBox
 from pdctl.staging.kernels import page_digests
 from pdctl.staging.layout import StagingLayout, head_slices
@@ -141,7 +141,7 @@ def _mapped_room(bell: bool):  # type: ignore[no-untyped-def]
 def test_an_armed_write_lands_when_fired_and_decode_is_told(bell: bool) -> None:
     prefill, decode, transport, writer, layout, registration, peer, box = _mapped_room(bell)
     pages = [2, 7, 4]
-    armed = writer.arm(5, pages, registration, layout, 0, peer)
+    armed = writer.arm(RoomWrite(5, pages, registration, layout, 0, peer))
     assert armed is not None
     assert torch.count_nonzero(decode.kv) == 0  # armed: nothing written yet
     started = armed.fire()

@@ -58,9 +58,9 @@ def gather_via(calls: CapturedCalls, k, v, staging, pages, counter: list[int]) -
         return kernels._gather(k, v, ids, staging, (1, 1), PAGE, "torch")
 
     key = ("gather", id(k), id(v), staging.data_ptr(), staging.numel(), len(pages))
-    return calls.call(
+    return calls.arm(
         key, (k, v), staging.device, lambda: kernels._host_ids(k, v, pages, PAGE), eager, pages
-    )
+    )()
 
 
 def test_a_shape_is_captured_on_its_sights_then_replayed_with_each_calls_ids() -> None:

@@ -22,11 +22,11 @@ from typing import Any
 
 from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.pd import protocol as proto
-from pdctl.serve.pd.mapped_write import MappedWriter
+from pdctl.serve.pd.mapped_write import MappedWriter, RoomWrite
 from pdctl.staging.descriptors import KVRows, direct_descriptors, kv_bases
 from pdctl.staging.doorbell import DIGESTS, BellRinger, Ticket
 from pdctl.staging.kernels import start_page_digests
-from pdctl.staging.layout import Segment, StagingLayout
+from pdctl.staging.layout import Segment
 from pdctl.staging.transport import Peer, Transport
 
 Buffer = Callable[[], AbstractContextManager[Any]]  # a staging buffer, held for one write
@@ -40,25 +40,15 @@ class DirectWriter:
         self.mapped, self.buffer = mapped, buffer
         self.kv_bases = kv_bases(kv.k_buffers, kv.v_buffers)  # [L0.K, L0.V, L1.K, ...]
 
-    def write(
-        self,
-        room: int,
-        pages: list[int],
-        reg: proto.Registration,
-        layout: StagingLayout,
-        writer: int,
-        peer: Peer,
-        plan: tuple[Segment, ...],
-        corrupt: bool,
-        clock: Any,
-    ) -> int:
+    def write(self, write: RoomWrite, plan: tuple[Segment, ...], corrupt: bool, clock: Any) -> int:
         """Write and tell decode; returns the bytes written. `clock.digest` gathers the
         seconds spent on digests."""
-        mapped = None if corrupt else self.mapped.start(room, pages, reg, layout, writer, peer)
+        mapped = None if corrupt else self.mapped.start(write)
         if mapped is not None:
             self.mapped.finish(mapped)
             return mapped.nbytes
-        piece = layout.slices[writer]
+        room, pages, reg, peer = write.room, write.pages, write.reg, write.peer
+        piece = write.layout.slices[write.writer]
         src, dst, lengths = direct_descriptors(
             self.kv_bases, [address for pair in reg.kv_bases for address in pair], pages,
             reg.pages,
@@ -76,7 +66,7 @@ class DirectWriter:
         )  # fmt: skip
         clock.digest += time.perf_counter() - started
         nbytes = int(lengths.sum())
-        bell = self._bell(reg, writer)
+        bell = self._bell(reg, write.writer)
 
         def digests() -> list[int]:
             waited = time.perf_counter()

@@ -165,6 +165,20 @@ class StartedWrite:
 
 
 @dataclass(frozen=True)
+class RoomWrite:
+    """One prefill rank's direct write of a room to one decode rank: the room's pages,
+    decode's registration, the layout of its slices, this rank's writer index in it,
+    and decode's endpoint (what every direct path is given)."""
+
+    room: int
+    pages: list[int]
+    reg: proto.Registration
+    layout: StagingLayout
+    writer: int
+    peer: Peer
+
+
+@dataclass(frozen=True)
 class RoomBell:
     """A write's doorbell: decode's box opened here, the ticket, and the slot's address
     for the device (None: the host rings once the write landed)."""
@@ -268,45 +282,30 @@ class MappedWriter:
             ringer.close()
             box.close()
 
-    def start(
-        self,
-        room: int,
-        pages: list[int],
-        reg: proto.Registration,
-        layout: StagingLayout,
-        writer: int,
-        peer: Peer,
-    ) -> StartedWrite | None:
+    def start(self, write: RoomWrite) -> StartedWrite | None:
         """Enqueue the write on the current stream now (`arm`, then `fire`)."""
-        armed = self.arm(room, pages, reg, layout, writer, peer)
+        armed = self.arm(write)
         return None if armed is None else armed.fire()
 
     @_profiled
-    def arm(
-        self,
-        room: int,
-        pages: list[int],
-        reg: proto.Registration,
-        layout: StagingLayout,
-        writer: int,
-        peer: Peer,
-    ) -> ArmedWrite | None:
+    def arm(self, write: RoomWrite) -> ArmedWrite | None:
         """The write's host work, up to its launch (None: decode's pool is not mapped
         here, or its rows differ from ours; the caller writes by descriptors). The
         first PROFILED_WRITES run under the writer's profile."""
         began_s, began_cpu, began_gc = time.perf_counter(), time.thread_time(), GC.seconds()
+        reg, layout, pages = write.reg, write.layout, write.pages
         first = self.kv.k_buffers[0]
         if reg.head_dim != first.shape[2] or reg.elem_bytes != first.element_size():
             return None
         bases = [address for pair in reg.kv_bases for address in pair]
-        buffers = self.pools.buffers(peer, bases, reg.kv_heads, reg.head_dim, first)
+        buffers = self.pools.buffers(write.peer, bases, reg.kv_heads, reg.head_dim, first)
         if buffers is None:
             return None
         plan = plan_segments(
             len(pages), self.kv.page_size, layout.bytes_per_token(), reg.segment_bytes
         )
-        piece = layout.slices[writer]
-        bell = self._bell(reg, writer, first.device)
+        piece = layout.slices[write.writer]
+        bell = self._bell(reg, write.writer, first.device)
         device_bell = None
         if bell is not None and bell.device_slot is not None:
             device_bell = (bell.device_slot, bell.ticket.seq)
@@ -317,9 +316,10 @@ class MappedWriter:
             head_start=piece.src_head_start, num_heads=piece.num_heads,
             page_size=self.kv.page_size, bell=device_bell,
         )  # fmt: skip
-        nbytes = layout.block_bytes(writer, len(pages) * self.kv.page_size)
+        nbytes = layout.block_bytes(write.writer, len(pages) * self.kv.page_size)
         return ArmedWrite(
-            room, peer, launch, nbytes, bell, first.device, time.perf_counter() - began_s,
+            write.room, write.peer, launch, nbytes, bell, first.device,
+            time.perf_counter() - began_s,
             time.thread_time() - began_cpu, GC.seconds() - began_gc,
         )  # fmt: skip
 

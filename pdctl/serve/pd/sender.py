@@ -41,7 +41,7 @@ from pdctl.serve.faults import RoomFaults
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import PeerCallError
 from pdctl.serve.pd.direct import DirectWriter
-from pdctl.serve.pd.mapped_write import ArmedWrite, MappedWriter, StartedWrite
+from pdctl.serve.pd.mapped_write import ArmedWrite, MappedWriter, RoomWrite, StartedWrite
 from pdctl.serve.pd.room_state import RoomWait
 from pdctl.staging import device as dev
 from pdctl.staging.buffer import init_staging_buffers
@@ -225,7 +225,7 @@ class KVSender:
             return job  # faults go the worker's way
         for decode_rank, layout, writer, reg, peer in ready:
             try:
-                armed = self.mapped.arm(room, pages, reg, layout, writer, peer)
+                armed = self.mapped.arm(RoomWrite(room, pages, reg, layout, writer, peer))
             except Exception:  # the worker writes this rank by descriptors and reports
                 log.exception(
                     "room %s: decode rank %s: the mapped write did not start", room, decode_rank
@@ -459,8 +459,6 @@ class KVSender:
         plan = plan_segments(
             len(pages), self.kv.page_size, layout.bytes_per_token(), reg.segment_bytes
         )
-        sent = self.direct.write(
-            room, pages, reg, layout, writer, self._peer(reg), plan, job.faults.corrupt_kv,
-            job.clock,
-        )  # fmt: skip
+        write = RoomWrite(room, pages, reg, layout, writer, self._peer(reg))
+        sent = self.direct.write(write, plan, job.faults.corrupt_kv, job.clock)
         return sent, 0, 0.0

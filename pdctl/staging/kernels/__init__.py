@@ -307,10 +307,10 @@ def _replayed(
         return eager(page_indices)
     memory = (staging.data_ptr(), staging.numel(), staging.is_contiguous(), staging.dtype)
     key = (*params, id(k_buffers), id(v_buffers), *memory, len(page_indices), page_size)
-    return CAPTURED.call(
+    return CAPTURED.arm(
         key, (k_buffers, v_buffers), staging.device,
         lambda: _host_ids(k_buffers, v_buffers, page_indices, page_size), eager, page_indices,
-    )  # fmt: skip
+    )()  # fmt: skip
 
 
 def _host_ids(

@@ -141,7 +141,7 @@ def capture_slots(device: torch.device, slot: Callable[[Any], Slot[Any]]) -> lis
 
 
 class CapturedCalls(Generic[T]):
-    """`call(key, ...)`: the checked call `eager`, replayed from a graph once its shape
+    """`arm(key, ...)()`: the checked call `eager`, replayed from a graph once its shape
     came back SIGHTS times (see the module's docstring)."""
 
     def __init__(self, capture: Capture = capture_cuda, sights: int = SIGHTS) -> None:
@@ -157,20 +157,6 @@ class CapturedCalls(Generic[T]):
             shapes = self._local.shapes = OrderedDict()
         return shapes
 
-    def call(
-        self,
-        key: tuple[Any, ...],
-        named: Named,
-        device: torch.device,
-        host_ids: Callable[[], np.ndarray],
-        eager: Callable[[Any], T],
-        ids: Any,
-    ) -> T:
-        """`eager(ids)`, or its replay. `named`: the tensor lists the call reads and
-        writes (a shape replays only with these very tensors); `host_ids()` checks the
-        ids (raising as the eager path does) and returns them as int64 numpy."""
-        return self.arm(key, named, device, host_ids, eager, ids)()
-
     def arm(
         self,
         key: tuple[Any, ...],
@@ -181,9 +167,12 @@ class CapturedCalls(Generic[T]):
         ids: Any,
         ahead: Any = None,
     ) -> Callable[[], T]:
-        """`call`'s work up to the launch; the function it returns launches (a replay,
-        or the eager call), at once or later, on any thread (the caller's current
-        stream then). A replay's slot is armed until launched: a shape whose next slot
+        """`eager(ids)` or its replay, armed: the host work now, the launch by the
+        function returned (a replay, or the eager call), at once or later, on any
+        thread (the caller's current stream then). `named`: the tensor lists the call
+        reads and writes (a shape replays only with these very tensors); `host_ids()`
+        checks the ids (raising as the eager path does) and returns them as int64
+        numpy. A replay's slot is armed until launched: a shape whose next slot
         is still armed goes the eager way for that call.
 
         `ahead`: what the capture needs in place of the eager call's value; given, a

@@ -17,10 +17,11 @@ What this does not know: how the peer's memory was mapped, or who is told.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec
 
 import numpy as np
 import torch
@@ -41,6 +42,8 @@ from pdctl.staging.kernels import (
 )
 from pdctl.staging.kernels.captured import CapturedCalls, CudaSlot, Eager, capture_slots
 from pdctl.staging.kernels.kvset import KVInfo
+
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -120,34 +123,6 @@ def _target(
     return checked
 
 
-def start_page_write(
-    k_buffers: Sequence[torch.Tensor],
-    v_buffers: Sequence[torch.Tensor],
-    page_indices: PageIndices,
-    target: PeerPages,
-    segments: Sequence[tuple[int, int]],
-    *,
-    head_start: int,
-    num_heads: int,
-    page_size: int,
-    backend: str | None = None,
-    bell: tuple[int, int] | None = None,
-) -> PendingDigests:
-    """Heads [head_start, +num_heads) of every layer's K and V for `page_indices`
-    written into the target's pages, and each segment's (page_start, num_pages) page
-    digests of what was written. Triton: one launch on the current stream; the bytes
-    are in place once `result()` returns. Elsewhere the copies and digests are done
-    when this returns.
-
-    `bell`: (a doorbell slot's device address, its sequence number): with Triton the
-    launch ends by ringing it with the digest sums (`kernels.bell`; the result says
-    `rung`); elsewhere nothing rings (the caller rings from the host)."""
-    return arm_page_write(
-        k_buffers, v_buffers, page_indices, target, segments, head_start=head_start,
-        num_heads=num_heads, page_size=page_size, backend=backend, bell=bell,
-    )()  # fmt: skip
-
-
 def arm_page_write(
     k_buffers: Sequence[torch.Tensor],
     v_buffers: Sequence[torch.Tensor],
@@ -161,9 +136,17 @@ def arm_page_write(
     backend: str | None = None,
     bell: tuple[int, int] | None = None,
 ) -> Callable[[], PendingDigests]:
-    """`start_page_write`'s checks and host work (a replay's ids in its pinned slot);
-    the function it returns launches, at once or later, on the current stream of
-    whichever thread calls it (the write reads the pages when the stream gets there)."""
+    """Heads [head_start, +num_heads) of every layer's K and V for `page_indices`
+    written into the target's pages, and each segment's (page_start, num_pages) page
+    digests of what was written: the checks and host work now (a replay's ids in its
+    pinned slot), the launch by the function returned, at once or later, on the current
+    stream of whichever thread calls it (the write reads the pages when the stream gets
+    there). Triton: one launch; the bytes are in place once `result()` returns.
+    Elsewhere the copies and digests are done when the launch returns.
+
+    `bell`: (a doorbell slot's device address, its sequence number): with Triton the
+    launch ends by ringing it with the digest sums (`kernels.bell`; the result says
+    `rung`); elsewhere nothing rings (the caller rings from the host)."""
     kvset = prepare_kv(k_buffers, v_buffers)
     info = kvset.info
     _check_heads(head_start, num_heads, info, "source")
@@ -199,6 +182,20 @@ def arm_page_write(
         )  # fmt: skip
 
     return reference
+
+
+def _launched_now(
+    arm: Callable[P, Callable[[], PendingDigests]],
+) -> Callable[P, PendingDigests]:
+    @functools.wraps(arm)
+    def start(*args: P.args, **kwargs: P.kwargs) -> PendingDigests:
+        return arm(*args, **kwargs)()
+
+    start.__doc__ = "`arm_page_write`, launched at once on the current stream."
+    return start
+
+
+start_page_write = _launched_now(arm_page_write)
 
 
 def _arm(
