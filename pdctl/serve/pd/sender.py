@@ -10,16 +10,17 @@ staging: for every segment, wait until decode offers a ring region (its watermar
 must show the region free), gather the head slice of the segment's pages into the
 staging buffer, write it at this writer's block offset, notify with the digests.
 direct (equal TP, or staging disabled): write the pages (or, with TP differing,
-each token's head slice) straight into decode's KV pages, then notify. Where the
-transport maps decode's pool here, one launch writes and digests the pages
-(`mapped_write`). When decode registered in time, that launch is enqueued on the
-engine's thread as soon as the forward computing the prompt's last piece is
-(`prepare`), and its notification goes out on the engine's thread once the first
-token is chosen (`send`: the stream has passed the write by then); otherwise the
-room's worker starts or finishes it. Failures
-are reported with the decode rank they concern. A room's faults (`RoomFaults`) are
-drawn once and travel with its clock as one `RoomJob`; addresses and descriptors are
-computed by `staging.descriptors`.
+each token's head slice) straight into decode's KV pages and tell decode
+(`direct`: by its doorbell where it offered one on this host, else a notification).
+Where the transport maps decode's pool here, one launch writes and digests the pages
+(`mapped_write`). When decode registered in time, that launch is armed before the
+forward computing the prompt's last piece is enqueued (`arm`) and fired right behind
+it on the thread that enqueued it; it rings decode's doorbell itself, or its
+notification goes out on the engine's thread before or once the first token is
+chosen (`prepare`, `send`); otherwise the room's worker starts or finishes it.
+Failures are reported with the decode rank they concern. A room's faults
+(`RoomFaults`) are drawn once and travel with its clock as one `RoomJob`; addresses
+and descriptors are computed by `staging.descriptors`.
 """
 
 from __future__ import annotations
