@@ -135,6 +135,27 @@ def test_prefix_cache_hit_reports_cached_tokens_and_same_tokens() -> None:
         engine.stop()
 
 
+@pytest.mark.parametrize(("width", "columns"), [(32, 256), (64, 512), (88, 2048), (16, 64)])
+def test_a_batched_chunk_product_is_each_chunk_alone_on_the_cpu(width: int, columns: int) -> None:
+    """What row-parallel products rely on: one batched product over a rank's chunks
+    (any number of them: 8 / TP) gives each chunk's own product bit for bit, at every
+    padded row count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the servers run
+    try:
+        generator = torch.Generator().manual_seed(width)
+        weights = torch.randn(8, width, columns, generator=generator)
+        for rows in (16, 48, 128):
+            x = torch.randn(8, rows, width, generator=generator)
+            alone = torch.stack([torch.mm(x[i], weights[i]) for i in range(8)])
+            for count in (8, 4, 2, 1):
+                for first in range(0, 8, count):
+                    batched = torch.bmm(x[first : first + count], weights[first : first + count])
+                    assert torch.equal(batched, alone[first : first + count]), (rows, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_tensor_parallel_sizes_give_identical_logits() -> None:
     prompt = torch.tensor(list(range(7, 130)), dtype=torch.int64)
 

@@ -139,15 +139,13 @@ def row_parallel_matmul(
     given, is added to the sum (in the same launch on accelerators).
     """
     chunks, width, _ = weight_chunks.shape
-    if invariant_kernels(x.device.type):
-        # one launch for every chunk: the batched kernel reduces each exactly as alone
-        rows = x.shape[0]
-        padded = pad_rows(x).to(weight_chunks.dtype).reshape(-1, chunks, width)
-        partials = product(padded.transpose(0, 1), weight_chunks)[:, :rows]
-    else:
-        partials = torch.stack(
-            [matmul(x[:, i * width : (i + 1) * width], w) for i, w in enumerate(weight_chunks)]
-        )  # [local chunks, M, N]
+    # One product for every chunk: the batched kernel reduces each exactly as alone (the
+    # Triton kernel by construction; torch's bmm on the CPU gives each chunk's mm bit for
+    # bit, tests/serve/test_determinism.py), at a fraction of the host work of a product
+    # per chunk.
+    rows = x.shape[0]
+    padded = pad_rows(x).to(weight_chunks.dtype).reshape(-1, chunks, width)
+    partials = product(padded.transpose(0, 1), weight_chunks)[:, :rows]  # [local chunks, M, N]
     if gather is not None:
         partials = gather(partials)  # [REDUCTION_CHUNKS, M, N]
     return add_chunk_sums(partials, residual)
