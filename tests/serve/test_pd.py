@@ -79,6 +79,8 @@ TOPOLOGIES = [
     pytest.param("tcp", 2, 8, True, "staging", id="tcp-p2d8-gqa-replicated"),
     pytest.param("tcp", 2, 2, True, "direct", id="tcp-p2d2-direct"),
     pytest.param("tcp", 1, 2, False, "direct", id="tcp-p1d2-nostaging"),
+    # two writers to one decode rank: a doorbell ticket each, rank 1 rings its own
+    pytest.param("tcp", 2, 1, False, "direct", id="tcp-p2d1-nostaging"),
     pytest.param("mooncake", 1, 2, True, "staging", id="mooncake-p1d2-staging"),
     pytest.param("mooncake", 2, 2, True, "direct", id="mooncake-p2d2-direct"),
     pytest.param("mooncake", 2, 1, False, "direct", id="mooncake-p2d1-nostaging"),
