@@ -28,6 +28,8 @@ requests: only rows of the pool.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pdctl.serve.model import ops
@@ -70,13 +72,15 @@ def paged_attention_reference(
     against one KEY_BLOCK of keys); only the number of products changes. Tiles are
     computed in buckets (`tile_buckets`), each up to the last key block one of its
     tiles may see, not the batch's longest piece: a prompt's early tiles skip the key
-    blocks in their future (exact zeros either way, see the module's docstring).
+    blocks in their future (exact zeros either way, see the module's docstring). What
+    depends on the key table alone (buckets, query and key indices, the visibility
+    mask) is derived once a forward and kept with the table (`tile_layouts`).
     """
     rows, heads, dim = q.shape
     result = q.new_zeros((rows + 1, heads, dim))  # [rows + 1, Hq, D]: masked tile rows land last
-    for tiles, blocks in tile_buckets(keys):
-        out, target = _attend_tiles(q, k_buffer, v_buffer, keys, tiles, blocks, scale, window)
-        result.index_copy_(0, target, out)
+    for layout in tile_layouts(keys, window):
+        out = _attend_tiles(q, k_buffer, v_buffer, layout, scale)
+        result.index_copy_(0, layout.target(rows), out)
     return result[:rows]
 
 
@@ -118,46 +122,80 @@ def tile_buckets(keys: KeyTable) -> list[tuple[torch.Tensor | None, int]]:
     return [(torch.tensor(sorted(t), dtype=torch.int64, device=device), b) for t, b in buckets]
 
 
+@dataclass(frozen=True)
+class TileLayout:
+    """One bucket's tiles as every layer's attention reads them (layer-independent).
+
+    Shapes: query_index, query_ok, positions [tiles, QB]; pool_rows and key_ok
+    [tiles, blocks * KB]; visible [tiles, blocks, QB, KB] (the window applied)."""
+
+    tiles: int
+    blocks: int
+    query_index: torch.Tensor
+    query_ok: torch.Tensor
+    pool_rows: torch.Tensor
+    key_ok: torch.Tensor
+    visible: torch.Tensor
+
+    def target(self, rows: int) -> torch.Tensor:
+        """The row of q each output row goes to; `rows` (past q's) for padding rows."""
+        return torch.where(self.query_ok, self.query_index, rows).reshape(-1)
+
+
+def tile_layouts(keys: KeyTable, window: int | None) -> list[TileLayout]:
+    """The buckets' layouts, derived once a forward (kept in `keys.derived`)."""
+    found = keys.derived.get(("tiles", window))
+    if found is None:
+        found = [_layout(keys, subset, blocks, window) for subset, blocks in tile_buckets(keys)]
+        keys.derived[("tiles", window)] = found
+    return found  # type: ignore[return-value]
+
+
+def _layout(
+    keys: KeyTable, subset: torch.Tensor | None, blocks: int, window: int | None
+) -> TileLayout:
+    pieces = keys.tile_pieces if subset is None else keys.tile_pieces[subset]
+    starts = keys.tile_positions if subset is None else keys.tile_positions[subset]
+    query_index, query_ok, positions = _tile_queries(keys, pieces, starts)  # [tiles, QB] each
+    pool_rows, key_ok = _tile_key_rows(keys, pieces, blocks)
+    device = pieces.device
+    key_positions = torch.arange(blocks * KEY_BLOCK, device=device).view(blocks, KEY_BLOCK)
+    tiles = pieces.shape[0]
+    key_ok_blocks = key_ok.view(tiles, blocks, KEY_BLOCK)
+    visible = (key_positions[None, :, None, :] <= positions[:, None, :, None]) & (
+        query_ok[:, None, :, None] & key_ok_blocks[:, :, None, :]
+    )  # [tiles, blocks, QB, KEY_BLOCK]
+    if window is not None:  # keys older than the window are hidden like future ones
+        visible &= key_positions[None, :, None, :] > positions[:, None, :, None] - window
+    return TileLayout(tiles, blocks, query_index, query_ok, pool_rows, key_ok, visible)
+
+
 def _attend_tiles(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
-    keys: KeyTable,
-    subset: torch.Tensor | None,
-    blocks: int,
+    layout: TileLayout,
     scale: float,
-    window: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of the tiles in `subset` (None: all) over key blocks 0..blocks-1:
-    ([tiles * QUERY_BLOCK, Hq, D] outputs, the row of q each goes to; rows past q's
-    for a tile's padding rows)."""
-    rows, heads, dim = q.shape
+) -> torch.Tensor:
+    """Attention of a bucket's tiles over key blocks 0..blocks-1: [tiles * QUERY_BLOCK,
+    Hq, D] outputs (`layout.target` says which row of q each goes to)."""
+    _, heads, dim = q.shape
     kv_heads = k_buffer.shape[1]
     group = heads // kv_heads
-    pieces = keys.tile_pieces if subset is None else keys.tile_pieces[subset]
-    starts = keys.tile_positions if subset is None else keys.tile_positions[subset]
-    tiles = pieces.shape[0]
-    query_index, query_ok, positions = _tile_queries(keys, pieces, starts)  # [tiles, QB] each
-    tile_q = torch.where(query_ok[:, :, None, None], q[query_index], 0)  # [tiles, QB, Hq, D]
+    tiles, blocks = layout.tiles, layout.blocks
+    tile_q = torch.where(layout.query_ok[:, :, None, None], q[layout.query_index], 0)
     tile_q = tile_q.view(tiles, QUERY_BLOCK, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
     tile_q = tile_q.reshape(tiles * kv_heads, 1, group * QUERY_BLOCK, dim)
-    k, v, key_ok = _tile_keys(k_buffer, v_buffer, keys, pieces, blocks, q.dtype)
-    # k, v [tiles * Hkv, blocks, KEY_BLOCK, D]
+    k = _gather_keys(k_buffer, layout, q.dtype)  # [tiles * Hkv, blocks, KEY_BLOCK, D]
+    v = _gather_keys(v_buffer, layout, q.dtype)
     rows_per_tile = group * QUERY_BLOCK
     tile_q = tile_q.expand(-1, blocks, -1, -1).reshape(-1, rows_per_tile, dim)
     scores = ops.product(tile_q, k.reshape(-1, KEY_BLOCK, dim).transpose(1, 2)) * scale
     scores = scores.view(tiles, kv_heads, blocks, group, QUERY_BLOCK, KEY_BLOCK)
-    key_positions = torch.arange(blocks * KEY_BLOCK, device=q.device).view(blocks, KEY_BLOCK)
-    visible = (key_positions[None, :, None, :] <= positions[:, None, :, None]) & (
-        query_ok[:, None, :, None] & key_ok[:, :, None, :]
-    )  # [tiles, blocks, QB, KEY_BLOCK]
-    if window is not None:  # keys older than the window are hidden like future ones
-        visible &= key_positions[None, :, None, :] > positions[:, None, :, None] - window
-    scores = scores.masked_fill(~visible[:, None, :, None], float("-inf"))
+    scores = scores.masked_fill(~layout.visible[:, None, :, None], float("-inf"))
     out = _combine_blocks(scores.view(tiles * kv_heads, blocks, rows_per_tile, KEY_BLOCK), v)
     out = out.view(tiles, kv_heads, group, QUERY_BLOCK, dim).permute(0, 3, 1, 2, 4)
-    target = torch.where(query_ok, query_index, rows).reshape(-1)
-    return out.reshape(-1, heads, dim), target
+    return out.reshape(-1, heads, dim)
 
 
 def _tile_queries(
@@ -172,28 +210,25 @@ def _tile_queries(
     return index, real, positions
 
 
-def _tile_keys(
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    keys: KeyTable,
-    pieces: torch.Tensor,
-    blocks: int,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each tile's keys 0..blocks*KEY_BLOCK-1 from the pool (tiles of `pieces`): K and V,
-    and which are real."""
-    tiles, kv_heads, dim = pieces.shape[0], k_buffer.shape[1], k_buffer.shape[2]
+def _tile_key_rows(
+    keys: KeyTable, pieces: torch.Tensor, blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tile's keys 0..blocks*KEY_BLOCK-1: their pool rows (0 where not real) and
+    which are real, [tiles, blocks * KEY_BLOCK] each."""
     key_positions = torch.arange(blocks * KEY_BLOCK, device=pieces.device)
-    real = key_positions[None, :] < keys.lengths[pieces][:, None]  # [tiles, blocks * KB]
+    real = key_positions[None, :] < keys.lengths[pieces][:, None]
     at = torch.where(real, keys.key_offsets[pieces][:, None] + key_positions, 0)
-    pool_rows = keys.rows[at]  # [tiles, blocks * KB]
+    return keys.rows[at], real
 
-    def gather(buffer: torch.Tensor) -> torch.Tensor:
-        values = torch.where(real[:, :, None, None], buffer[pool_rows].to(dtype), 0)
-        values = values.view(tiles, blocks, KEY_BLOCK, kv_heads, dim).permute(0, 3, 1, 2, 4)
-        return values.reshape(tiles * kv_heads, blocks, KEY_BLOCK, dim)
 
-    return gather(k_buffer), gather(v_buffer), real.view(tiles, blocks, KEY_BLOCK)
+def _gather_keys(buffer: torch.Tensor, layout: TileLayout, dtype: torch.dtype) -> torch.Tensor:
+    """One layer's K or V of the tiles' keys, [tiles * Hkv, blocks, KEY_BLOCK, D] (zeros
+    where no key is)."""
+    tiles, blocks = layout.tiles, layout.blocks
+    kv_heads, dim = buffer.shape[1], buffer.shape[2]
+    values = torch.where(layout.key_ok[:, :, None, None], buffer[layout.pool_rows].to(dtype), 0)
+    values = values.view(tiles, blocks, KEY_BLOCK, kv_heads, dim).permute(0, 3, 1, 2, 4)
+    return values.reshape(tiles * kv_heads, blocks, KEY_BLOCK, dim)
 
 
 def _combine_blocks(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ tokens are masked. Knows nothing about pages, requests or scheduling.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,9 @@ class KeyTable:
     tile_positions: torch.Tensor  # [tiles] first position of each tile (multiple of QUERY_BLOCK)
     num_queries: int  # new tokens in the batch (host value)
     max_keys: int  # the longest piece's keys (host value: padding of the torch path)
+    # what the torch attention derives from this table alone, once a forward, not once
+    # a layer (`attention.tile_layouts`)
+    derived: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tiles(self) -> int:
