@@ -56,7 +56,7 @@ class KeyTable:
     num_queries: int  # new tokens in the batch (host value)
     max_keys: int  # the longest piece's keys (host value: padding of the torch path)
     # what the torch attention derives from this table alone, once a forward, not once
-    # a layer (`attention.tile_layouts`)
+    # a layer (`attention.tile_layouts`); cleared at each forward's start (`runner.run`)
     derived: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     @property

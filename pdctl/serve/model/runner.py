@@ -74,6 +74,9 @@ class ModelRunner:
         Reads only shapes on the host. `embeds` are (token index, [m, hidden] rows) that
         replace token embeddings (multimodal prompts); logits as `forward`'s.
         """
+        # What attention derives from the key table holds for this forward only: a fixed
+        # decode layout (`decode_batch`) rewrites the same tables in place between steps.
+        batch.keys.derived.clear()
         x = ops.pad_rows(self.w.embed[batch.tokens])  # [T padded, hidden]
         for at, rows in embeds:  # multimodal positions take the encoder's embeddings
             x[at : at + rows.shape[0]] = rows.to(device=x.device, dtype=x.dtype)
