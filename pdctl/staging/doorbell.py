@@ -26,8 +26,9 @@ when it rings, or when it launched a device ring), then polls for the sequence
 number in short sleeps until the device's stores arrived. Stores from a device to
 host memory may become visible in any order: a slot is read as rung only when its
 check word matches everything else read, so a half-visible ring is read again, never
-taken. A slot is reused only after its last ticket was read or given up (given up:
-`quarantine`, never reused, so a late ring can reach no other write).
+taken. A slot is reused only after its last ticket was read, or RECLAIM_S after it
+was given up (`quarantine`: a late ring may still come, and can reach no other write
+while no writer could still be writing).
 
 What this does not know: what the values mean, or how the writer's bytes travel.
 """
@@ -120,6 +121,11 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def _header(info: BoxInfo) -> list[int]:
+    """The box's first words: what its receiver writes and a ringer checks."""
+    return [_signed(MAGIC), info.nonce, 0, info.slots, info.slot_words]
+
+
 class _Mapped:
     """A box's memory in this process: its words, the slots' addresses."""
 
@@ -162,8 +168,8 @@ class BellBox:
                             SLOT_HEADER + capacity)  # fmt: skip
         os.ftruncate(self._fd, self.info.nbytes)
         self._mapped = _Mapped(self._fd, self.info)
-        words = self._mapped.words
-        words[:5] = [_signed(MAGIC), nonce, 0, slots, self.info.slot_words]
+        header = _header(self.info)
+        self._mapped.words[: len(header)] = header
         self._lock = threading.Lock()
         self._free = list(range(slots))
         self._given_up: list[tuple[float, int]] = []  # (when, slot), oldest first
@@ -254,13 +260,11 @@ class BellRinger:
             self._mapped = _Mapped(fd, info)
         finally:
             os.close(fd)
-        header = self._mapped.words[:5].tolist()
-        if header != [_signed(MAGIC), info.nonce, 0, info.slots, info.slot_words]:
+        header = _header(info)
+        if self._mapped.words[: len(header)].tolist() != header:
             self._mapped.close()
             raise OSError(f"{info.path} is another box than the receiver's (nonce differs)")
         self.info = info
-        self._device: dict[str, int | None] = {}  # device -> the box's address there
-        self._device_lock = threading.Lock()
 
     def ring(self, ticket: Ticket, kind: int, values: list[int] | np.ndarray) -> None:
         """Ring from the host: the values, the check, the sequence number last, then
@@ -288,22 +292,14 @@ class BellRinger:
         return self._mapped.slot_address(slot)
 
     def device_slot(self, slot: int, device: torch.device) -> int | None:
-        """The slot's address for kernels on `device` (the box mapped there once), or
-        None where the device cannot store into host memory here (the host rings)."""
-        key = str(device)
-        with self._device_lock:
-            if key not in self._device:
-                self._device[key] = hostmap.device_address(
-                    self._mapped.address, self.info.nbytes, device
-                )
-            base = self._device[key]
+        """The slot's address for kernels on `device` (the box mapped there once,
+        `hostmap`), or None where the device cannot store into host memory here (the
+        host rings)."""
+        base = hostmap.device_address(self._mapped.address, self.info.nbytes, device)
         return None if base is None else base + (self.slot_address(slot) - self._mapped.address)
 
     def close(self) -> None:
-        with self._device_lock:
-            if any(base is not None for base in self._device.values()):
-                hostmap.forget(self._mapped.address)  # before the memory goes
-            self._device.clear()
+        hostmap.forget(self._mapped.address)  # before the memory goes
         self._mapped.close()
 
 

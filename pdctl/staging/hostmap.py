@@ -21,23 +21,23 @@ import torch
 log = logging.getLogger("pdctl.staging")
 _PORTABLE, _MAPPED = 1, 2  # cudaHostRegister flags
 _LOCK = threading.Lock()
-_REGISTERED: dict[int, int] = {}  # host address -> its device address
+_REGISTERED: dict[int, int | None] = {}  # host address -> its device address (None: refused)
 
 
 def device_address(address: int, size: int, device: torch.device) -> int | None:
-    """`size` bytes at host `address` registered with `device`'s driver (once): their
-    address for kernels on that device, or None where the device cannot store there
-    (not CUDA, or the driver refused; logged)."""
+    """`size` bytes at host `address` registered with `device`'s driver (once; a refusal
+    is remembered too): their address for kernels on that device, or None where the
+    device cannot store there (not CUDA, or the driver refused; logged once)."""
     if device.type != "cuda":
         return None
     with _LOCK:
         if address in _REGISTERED:
             return _REGISTERED[address]
+        found: int | None = None
         try:
             found = _register(address, size, device)
         except (OSError, RuntimeError, AttributeError) as exc:
             log.info("staging: host memory cannot be mapped for %s: %s", device, exc)
-            return None
         _REGISTERED[address] = found
         return found
 
@@ -60,7 +60,8 @@ def _register(address: int, size: int, device: torch.device) -> int:
 
 
 def forget(address: int) -> None:
-    """Unregister the mapping at `address` (before it is unmapped)."""
+    """Forget the mapping at `address` before it is unmapped (unregistered where it was
+    registered; nothing where it never was)."""
     with _LOCK:
         if _REGISTERED.pop(address, None) is None:
             return

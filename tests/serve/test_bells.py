@@ -51,18 +51,18 @@ def test_a_rings_sums_become_the_digests_a_notification_carries(decode_rank: int
     assert len(plan) == 3  # two pages a segment
     box = BellBox(2, 64)
     try:
-        bells = Bells(box, 3)
+        bells = Bells(box, kv)
         sums = _sums(kv, pages, plan, (piece.src_head_start, piece.num_heads))
-        got = bells.digests(SUMS, sums, piece, plan, kv)
+        got = bells.digests(SUMS, sums, piece, plan)
         segments = [(s.page_start, s.num_pages) for s in plan]
         expected = page_digests(
             kv.k_buffers, kv.v_buffers, pages, segments, head_start=piece.src_head_start,
             num_heads=piece.num_heads, page_size=4,
         )  # fmt: skip
         assert got == [d for part in expected for d in part]
-        assert bells.digests(DIGESTS, np.array([-1, 5]), piece, plan, kv) == [2**64 - 1, 5]
+        assert bells.digests(DIGESTS, np.array([-1, 5]), piece, plan) == [2**64 - 1, 5]
         with pytest.raises(ValueError, match="sums for"):
-            bells.digests(SUMS, sums[:-1], piece, plan, kv)
+            bells.digests(SUMS, sums[:-1], piece, plan)
     finally:
         box.close()
 
@@ -70,7 +70,7 @@ def test_a_rings_sums_become_the_digests_a_notification_carries(decode_rank: int
 def test_offers_fit_the_box_and_tickets_come_back() -> None:
     box = BellBox(3, 2 * 3 * 4)  # three slots of four segments of three layers
     try:
-        bells = Bells(box, 3)
+        bells = Bells(box, _pool())  # three layers
         two_writers = StagingLayout(3, 8, 2, head_slices(4, 2, 1, 0))
         assert len(two_writers.slices) == 2
         assert bells.offer(two_writers, 5) is None  # five segments do not fit a slot

@@ -39,21 +39,21 @@ MAX_SEGMENTS = 16  # a room cut into more digest segments goes by message
 class Bells:
     """A decode rank's doorbells: its box, the tickets it hands out."""
 
-    def __init__(self, box: BellBox, num_layers: int) -> None:
-        self.box, self.num_layers = box, num_layers
+    def __init__(self, box: BellBox, kv: KVPool) -> None:
+        self.box, self.kv = box, kv
+        self.num_layers = len(kv.k_buffers)
         self._said_full = False
 
     @staticmethod
     def for_receiver(transport: Transport, kv: KVPool, name: str) -> Bells | None:
         if not (ENABLED and transport.RINGS_BELLS and futex.available()):
             return None
-        num_layers = len(kv.k_buffers)
         try:
-            box = BellBox(SLOTS, 2 * num_layers * MAX_SEGMENTS)
+            box = BellBox(SLOTS, 2 * len(kv.k_buffers) * MAX_SEGMENTS)
         except OSError as exc:
             log.info("%s: no doorbells (%s): prefill notifies by message", name, exc)
             return None
-        return Bells(box, num_layers)
+        return Bells(box, kv)
 
     def offer(self, layout: StagingLayout, num_segments: int) -> proto.BellOffer | None:
         """A ticket for every writer of a direct room (None: the room's values do not fit
@@ -74,7 +74,7 @@ class Bells:
         return proto.BellOffer(self.box.info, tickets)
 
     def digests(
-        self, kind: int, values: np.ndarray, piece: HeadSlice, plan: tuple[Segment, ...], kv: KVPool
+        self, kind: int, values: np.ndarray, piece: HeadSlice, plan: tuple[Segment, ...]
     ) -> list[int]:
         """A ring's values as a notification's digests: [segment][L0.K, L0.V, ...] flat.
         Sums are finalised here with each chunk's length in int32 words."""
@@ -82,10 +82,10 @@ class Bells:
             return [int(v) & ((1 << 64) - 1) for v in values]
         if kind != SUMS:
             raise ValueError(f"a doorbell rang with an unknown kind {kind}")
-        first = kv.k_buffers[0]
+        first = self.kv.k_buffers[0]
         head_bytes = first.shape[2] * first.element_size()
         columns = piece.num_heads * head_bytes // 4  # int32 words of the slice a token
-        words = [segment.num_tokens(kv.page_size) * columns for segment in plan]
+        words = [segment.num_tokens(self.kv.page_size) * columns for segment in plan]
         lengths = np.repeat(np.asarray(words, dtype=np.uint64), 2 * self.num_layers)
         if len(lengths) != len(values):
             raise ValueError(f"a doorbell rang {len(values)} sums for {len(lengths)} chunks")
@@ -107,6 +107,14 @@ class Ringers:
     def __init__(self) -> None:
         self._open: dict[tuple[str, int], BellRinger | None] = {}
         self._lock = threading.Lock()
+
+    def ticket(self, reg: proto.Registration, writer: int) -> tuple[BellRinger, Ticket] | None:
+        """Writer `writer`'s ticket of a registration and the ringer of its box, where
+        decode offered one and the box opens here."""
+        if reg.bell is None or writer >= len(reg.bell.tickets):
+            return None
+        ringer = self.open(reg.bell.box)
+        return None if ringer is None else (ringer, reg.bell.tickets[writer])
 
     def open(self, box: BoxInfo) -> BellRinger | None:
         """The ringer of `box`, or None where this process cannot open it (another host,

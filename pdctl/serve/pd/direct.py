@@ -20,25 +20,22 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.mapped_write import MappedWriter, RoomWrite
 from pdctl.staging.descriptors import KVRows, direct_descriptors, kv_bases
-from pdctl.staging.doorbell import DIGESTS, BellRinger, Ticket
+from pdctl.staging.doorbell import DIGESTS
 from pdctl.staging.kernels import start_page_digests
 from pdctl.staging.layout import Segment
-from pdctl.staging.transport import Peer, Transport
+from pdctl.staging.transport import Peer
 
 Buffer = Callable[[], AbstractContextManager[Any]]  # a staging buffer, held for one write
 
 
 class DirectWriter:
-    def __init__(
-        self, rank: int, kv: KVPool, transport: Transport, mapped: MappedWriter, buffer: Buffer
-    ) -> None:
-        self.rank, self.kv, self.transport = rank, kv, transport
-        self.mapped, self.buffer = mapped, buffer
-        self.kv_bases = kv_bases(kv.k_buffers, kv.v_buffers)  # [L0.K, L0.V, L1.K, ...]
+    def __init__(self, mapped: MappedWriter, buffer: Buffer) -> None:
+        self.mapped, self.buffer = mapped, buffer  # the rank, pool and transport are its
+        self.rank, self.kv, self.transport = mapped.rank, mapped.kv, mapped.transport
+        self.kv_bases = kv_bases(self.kv.k_buffers, self.kv.v_buffers)  # [L0.K, L0.V, ...]
 
     def write(self, write: RoomWrite, plan: tuple[Segment, ...], corrupt: bool, clock: Any) -> int:
         """Write and tell decode; returns the bytes written. `clock.digest` gathers the
@@ -66,7 +63,7 @@ class DirectWriter:
         )  # fmt: skip
         clock.digest += time.perf_counter() - started
         nbytes = int(lengths.sum())
-        bell = self._bell(reg, write.writer)
+        bell = self.mapped.ringers.ticket(reg, write.writer)
 
         def digests() -> list[int]:
             waited = time.perf_counter()
@@ -86,12 +83,6 @@ class DirectWriter:
         else:
             self.transport.write(peer, src, dst, lengths, notify=message)
         return nbytes
-
-    def _bell(self, reg: proto.Registration, writer: int) -> tuple[BellRinger, Ticket] | None:
-        if reg.bell is None or writer >= len(reg.bell.tickets):
-            return None
-        ringer = self.mapped.ringers.open(reg.bell.box)
-        return None if ringer is None else (ringer, reg.bell.tickets[writer])
 
     def _corrupt_remote(self, peer: Peer, src: int, dst: int, notify: bytes) -> None:
         """Overwrite the byte at `dst` with the byte at `src` (just sent there) flipped."""

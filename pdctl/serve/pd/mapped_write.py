@@ -163,6 +163,11 @@ class StartedWrite:
     bell: RoomBell | None = None  # where decode hears of it (None: a notification)
     done_s: float | None = None  # the write's seconds, once `finish` sent its notification
 
+    @property
+    def rang(self) -> bool:
+        """The launch itself rang decode's doorbell: nothing is left to tell it."""
+        return self.bell is not None and self.pending.rung
+
 
 @dataclass(frozen=True)
 class RoomWrite:
@@ -209,18 +214,20 @@ class ArmedWrite:
         began, ended = _timing_event(self.device), _timing_event(self.device)
         began.record(stream)
         pending = self.launch()
-        bell = self.bell
         if not pending.rung:
             pending.stage_to_host()  # the digests reach pinned host memory behind the write
         ended.record(stream)
-        if bell is not None and pending.rung:
-            bell.ringer.announce(bell.ticket)  # decode looks closely from now on
         ended_s = time.perf_counter()
         parts = EnqueueParts(
             self.host_s + ended_s - began_s, self.run_s + time.thread_time() - began_cpu,
             self.host_s, self.collecting_s + GC.seconds() - began_gc,
         )  # fmt: skip
-        return StartedWrite(self.room, self.peer, pending, began, ended, self.nbytes, parts, bell)
+        started = StartedWrite(
+            self.room, self.peer, pending, began, ended, self.nbytes, parts, self.bell
+        )
+        if started.rang and self.bell is not None:
+            self.bell.ringer.announce(self.bell.ticket)  # decode looks closely from now on
+        return started
 
 
 def _profiled(
@@ -325,12 +332,10 @@ class MappedWriter:
 
     def _bell(self, reg: proto.Registration, writer: int, device: torch.device) -> RoomBell | None:
         """This writer's doorbell where decode offered one and its box opens here."""
-        if reg.bell is None or writer >= len(reg.bell.tickets):
+        found = self.ringers.ticket(reg, writer)
+        if found is None:
             return None
-        ringer = self.ringers.open(reg.bell.box)
-        if ringer is None:
-            return None
-        ticket = reg.bell.tickets[writer]
+        ringer, ticket = found
         return RoomBell(ringer, ticket, ringer.device_slot(ticket.slot, device))
 
     def finish(self, started: StartedWrite, *, inline: bool = False) -> float:
@@ -350,7 +355,7 @@ class MappedWriter:
         began_s, began_cpu = time.perf_counter(), time.thread_time()
         bell = started.bell
         device = self.kv.k_buffers[0].device
-        if bell is not None and started.pending.rung:
+        if started.rang:
             told = started.ended  # the device rang behind the write
         else:
             digests = [d for part in started.pending.result() for d in part]
@@ -385,7 +390,7 @@ class MappedWriter:
             return
         self.explained += 1
         parts = started.parts
-        told = "doorbell (device)" if started.bell and started.pending.rung else (
+        told = "doorbell (device)" if started.rang else (
             "doorbell (host)" if started.bell else "notification"
         )  # fmt: skip
         log.info(

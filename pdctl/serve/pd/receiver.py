@@ -315,7 +315,7 @@ class KVReceiver:
                 if ticket is not None and self.bells is not None and bell is not None:
                     rung = self.bells.box.wait(ticket, min(remaining, BELL_SLICE_S))
                     if rung is not None:
-                        digests.append(self.bells.digests(*rung, piece, bell[1], self.kv))
+                        digests.append(self.bells.digests(*rung, piece, bell[1]))
                         rang.add(writer)
                         break
                     note = self.transport.take_notification(prefix, prefix=True)

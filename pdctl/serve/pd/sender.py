@@ -121,7 +121,7 @@ class KVSender:
         self.mapped = MappedWriter(rank, kv, transport)
         if transport.RINGS_BELLS:  # same-host device writes are mapped writes: compile them now
             self.mapped.warm()
-        self.direct = DirectWriter(rank, kv, transport, self.mapped, self._buffer)
+        self.direct = DirectWriter(self.mapped, self._buffer)
         self._said_early = False  # logged once: writes enqueued on the engine's thread
         self._prepared: dict[int, RoomJob | None] = {}  # room -> its job (`prepare`)
         self.peers: dict[str, Peer] = {}
@@ -198,8 +198,7 @@ class KVSender:
         which reports it. Writes whose doorbell the device rang are left to the worker
         (it only times them)."""
         for decode_rank, started in job.early.items():
-            rung = started.bell is not None and started.pending.rung
-            if rung or started.done_s is not None or not (wait or started.ended.query()):
+            if started.rang or started.done_s is not None or not (wait or started.ended.query()):
                 continue
             try:
                 self.mapped.finish(started, inline=True)

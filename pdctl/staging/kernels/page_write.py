@@ -221,14 +221,13 @@ def _arm(
     segments = list(segments)
     words = [count * page_size * num_cols for _, count in segments]
     count = len(segments) * len(views)  # the sums the write's digests come from
+    ring = np.asarray([*bell, count] if bell is not None else [], dtype=np.int64)
     if not isinstance(pages, np.ndarray):  # ids already on the device: as they are
-        ring = None if bell is None else np.asarray([*bell, count], dtype=np.int64)
-        rings = None if ring is None else (_uploaded(ring, device), 0)
+        rings = None if bell is None else (_uploaded(ring, device), 0)
         launch = _Launch(views, checked, page_size, col_starts, num_cols, segments)
         return lambda: launch.run((None, pages, dst_pages), rings, words)
     assert isinstance(dst_pages, np.ndarray)  # both host ids, or both device ones
     bucket = _Bucket.of(segments, len(pages), len(views))
-    ring = np.asarray([*bell, count] if bell is not None else [], dtype=np.int64)
     joined, parts = _joined([bucket.table(segments, page_size), bucket.padded(pages),
                              bucket.padded(dst_pages), ring])  # fmt: skip
     launch = _Launch(views, checked, page_size, col_starts, num_cols, bucket.segments)
