@@ -248,6 +248,12 @@ class BellBox:
         self._mapped.close()
         os.close(self._fd)
 
+    def __enter__(self) -> BellBox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class BellRinger:
     """A writer's end of a receiver's box (opened through its path, the nonce checked)."""
@@ -302,6 +308,12 @@ class BellRinger:
         hostmap.forget(self._mapped.address)  # before the memory goes
         self._mapped.close()
 
+    def __enter__(self) -> BellRinger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def probe() -> tuple[bool, str]:
     """Whether doorbells work here: a box made, opened again through its path as a
@@ -312,17 +324,15 @@ def probe() -> tuple[bool, str]:
         box = BellBox(1, 1)
     except OSError as exc:
         return False, f"no shared memory for a box: {exc}"
-    try:
-        ringer = BellRinger(box.info)
+    with box:
         ticket = box.ticket()
         assert ticket is not None
-        ringer.ring(ticket, DIGESTS, [7])
-        ringer.close()
+        try:
+            with BellRinger(box.info) as ringer:
+                ringer.ring(ticket, DIGESTS, [7])
+        except OSError as exc:
+            return False, f"a box cannot be opened through /proc: {exc}"
         rung = box.wait(ticket, 1.0)
         if rung is None or rung[1].tolist() != [7]:
             return False, "a ring did not read back"
         return True, "memfd box, futex waits"
-    except OSError as exc:
-        return False, f"a box cannot be opened through /proc: {exc}"
-    finally:
-        box.close()

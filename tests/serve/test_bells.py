@@ -49,8 +49,7 @@ def test_a_rings_sums_become_the_digests_a_notification_carries(decode_rank: int
     pages = [5, 1, 9, 3, 7]
     plan = plan_segments(len(pages), 4, layout.bytes_per_token(), 2 * 4 * layout.bytes_per_token())
     assert len(plan) == 3  # two pages a segment
-    box = BellBox(2, 64)
-    try:
+    with BellBox(2, 64) as box:
         bells = Bells(box, kv)
         sums = _sums(kv, pages, plan, (piece.src_head_start, piece.num_heads))
         got = bells.digests(SUMS, sums, piece, plan)
@@ -63,13 +62,10 @@ def test_a_rings_sums_become_the_digests_a_notification_carries(decode_rank: int
         assert bells.digests(DIGESTS, np.array([-1, 5]), piece, plan) == [2**64 - 1, 5]
         with pytest.raises(ValueError, match="sums for"):
             bells.digests(SUMS, sums[:-1], piece, plan)
-    finally:
-        box.close()
 
 
 def test_offers_fit_the_box_and_tickets_come_back() -> None:
-    box = BellBox(3, 2 * 3 * 4)  # three slots of four segments of three layers
-    try:
+    with BellBox(3, 2 * 3 * 4) as box:  # three slots of four segments of three layers
         bells = Bells(box, _pool())  # three layers
         two_writers = StagingLayout(3, 8, 2, head_slices(4, 2, 1, 0))
         assert len(two_writers.slices) == 2
@@ -87,8 +83,6 @@ def test_offers_fit_the_box_and_tickets_come_back() -> None:
             proto.BellOffer.from_json(
                 {"box": offer.box.to_json(), "tickets": [{"slot": 3, "seq": 1}]}
             )
-    finally:
-        box.close()
 
 
 def test_only_pdctls_own_transport_offers_doorbells(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,13 +99,10 @@ def test_only_pdctls_own_transport_offers_doorbells(monkeypatch: pytest.MonkeyPa
 
 
 def test_a_box_that_cannot_be_opened_is_remembered(caplog: pytest.LogCaptureFixture) -> None:
-    box = BellBox(1, 4)
-    try:
+    with BellBox(1, 4) as box:
         ringers = Ringers()
         assert ringers.open(box.info) is ringers.open(box.info) is not None
         wrong = type(box.info)(box.info.path, box.info.nonce + 1, 1, box.info.slot_words)
         with caplog.at_level("INFO", logger="pdctl.serve"):
             assert ringers.open(wrong) is None and ringers.open(wrong) is None
         assert caplog.text.count("cannot be opened") == 1
-    finally:
-        box.close()

@@ -43,8 +43,7 @@ BellRinger(BoxInfo.from_json(info)).ring(Ticket(slot, seq), 1, values)
 def test_another_process_rings_and_the_receiver_wakes_at_once() -> None:
     import json
 
-    box = BellBox(4, 16)
-    try:
+    with BellBox(4, 16) as box:
         ticket = box.ticket()
         assert ticket is not None and box.read(ticket) is None
         values = [5, -1, 2**62, -(2**63)]
@@ -55,14 +54,10 @@ def test_another_process_rings_and_the_receiver_wakes_at_once() -> None:
         assert rung is not None
         kind, got = rung
         assert kind == SUMS and got.tolist() == values
-    finally:
-        box.close()
 
 
 def test_a_host_ring_wakes_a_sleeping_receiver_at_once() -> None:
-    box = BellBox(2, 8)
-    ringer = BellRinger(box.info)
-    try:
+    with BellBox(2, 8) as box, BellRinger(box.info) as ringer:
         ticket = box.ticket()
         assert ticket is not None
         rang_at: list[float] = []
@@ -80,15 +75,10 @@ def test_a_host_ring_wakes_a_sleeping_receiver_at_once() -> None:
         assert rung is not None and rung[1].tolist() == [1, 2, 3]
         # a futex wake, not the end of the 10 s wait (generous for a loaded machine)
         assert woke - rang_at[0] < 1.0
-    finally:
-        ringer.close()
-        box.close()
 
 
 def test_a_half_visible_ring_is_not_taken() -> None:
-    box = BellBox(2, 8)
-    ringer = BellRinger(box.info)
-    try:
+    with BellBox(2, 8) as box, BellRinger(box.info) as ringer:
         ticket = box.ticket()
         assert ticket is not None
         ringer.ring(ticket, SUMS, [7, 8, 9])
@@ -100,29 +90,20 @@ def test_a_half_visible_ring_is_not_taken() -> None:
         assert box.read(ticket) is not None
         words[base + CHECK] ^= 1
         assert box.read(ticket) is None
-    finally:
-        ringer.close()
-        box.close()
 
 
 def test_a_ring_with_another_sequence_number_is_not_this_tickets() -> None:
-    box = BellBox(2, 8)
-    ringer = BellRinger(box.info)
-    try:
+    with BellBox(2, 8) as box, BellRinger(box.info) as ringer:
         first = box.ticket()
         assert first is not None
         ringer.ring(Ticket(first.slot, first.seq + 100), DIGESTS, [1])  # a late, stale ring
         assert box.read(first) is None
         ringer.ring(first, DIGESTS, [2])
         assert box.read(first) == (DIGESTS, np.array([2]))
-    finally:
-        ringer.close()
-        box.close()
 
 
 def test_tickets_are_new_numbers_and_given_up_slots_rest(monkeypatch: pytest.MonkeyPatch) -> None:
-    box = BellBox(3, 4)
-    try:
+    with BellBox(3, 4) as box:
         tickets = [box.ticket() for _ in range(3)]
         assert None not in tickets and box.ticket() is None  # every slot in use
         assert len({t.seq for t in tickets if t}) == 3 and all(t and t.seq > 0 for t in tickets)
@@ -135,13 +116,10 @@ def test_tickets_are_new_numbers_and_given_up_slots_rest(monkeypatch: pytest.Mon
         monkeypatch.setattr(doorbell, "RECLAIM_S", 0.0)  # ... until no writer can be writing
         reclaimed = box.ticket()
         assert reclaimed is not None and reclaimed.slot == tickets[1].slot
-    finally:
-        box.close()
 
 
 def test_a_ringer_refuses_another_box_and_too_many_values(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    box = BellBox(2, 4)
-    try:
+    with BellBox(2, 4) as box:
         info = box.info
         with pytest.raises(OSError, match="another box"):
             BellRinger(BoxInfo(info.path, info.nonce ^ 1, info.slots, info.slot_words))
@@ -151,14 +129,10 @@ def test_a_ringer_refuses_another_box_and_too_many_values(tmp_path) -> None:  # 
         other.write_bytes(b"\0" * info.nbytes)
         with pytest.raises(OSError, match="another box"):
             BellRinger(BoxInfo(str(other), info.nonce, info.slots, info.slot_words))
-        ringer = BellRinger(info)
         ticket = box.ticket()
         assert ticket is not None
-        with pytest.raises(ValueError, match="do not fit"):
+        with BellRinger(info) as ringer, pytest.raises(ValueError, match="do not fit"):
             ringer.ring(ticket, DIGESTS, list(range(5)))
-        ringer.close()
-    finally:
-        box.close()
 
 
 @pytest.mark.parametrize(
@@ -194,9 +168,7 @@ def _device_ring(box: BellBox, ringer: BellRinger, ticket: Ticket, values: torch
 @settings(max_examples=12, deadline=None)
 @given(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=40))
 def test_the_device_ring_carries_the_values_and_the_hosts_check_word(values: list[int]) -> None:
-    box = BellBox(1, 64)
-    ringer = BellRinger(box.info)
-    try:
+    with BellBox(1, 64) as box, BellRinger(box.info) as ringer:
         ticket = box.ticket()
         assert ticket is not None
         _device_ring(box, ringer, ticket, torch.tensor(values, dtype=torch.int64, device=DEVICE))
@@ -206,34 +178,24 @@ def test_the_device_ring_carries_the_values_and_the_hosts_check_word(values: lis
         assert check_word(ticket.seq, SUMS, rung[1]) == box._mapped.words[
             box._mapped.base(ticket.slot) + CHECK
         ].astype(np.uint64)
-    finally:
-        ringer.close()
-        box.close()
 
 
 def test_a_device_ring_walks_more_values_than_one_step_holds() -> None:
     from pdctl.staging.kernels import bell
 
-    box = BellBox(1, 3 * bell.BLOCK)
-    ringer = BellRinger(box.info)
-    try:
+    with BellBox(1, 3 * bell.BLOCK) as box, BellRinger(box.info) as ringer:
         ticket = box.ticket()
         assert ticket is not None
         values = torch.arange(2 * bell.BLOCK + 5, dtype=torch.int64, device=DEVICE) * (2**40 + 1)
         _device_ring(box, ringer, ticket, values)
         rung = box.read(ticket)
         assert rung is not None and rung[1].tolist() == values.cpu().tolist()
-    finally:
-        ringer.close()
-        box.close()
 
 
 def test_a_device_ring_is_heard_without_an_announcement() -> None:
     """A ring nobody announced (the writer's host died after the launch, say) is still
     read at the receiver's next look."""
-    box = BellBox(1, 8)
-    ringer = BellRinger(box.info)
-    try:
+    with BellBox(1, 8) as box, BellRinger(box.info) as ringer:
         ticket = box.ticket()
         assert ticket is not None
         _device_ring(box, ringer, ticket, torch.tensor([11, 12], dtype=torch.int64, device=DEVICE))
@@ -243,9 +205,6 @@ def test_a_device_ring_is_heard_without_an_announcement() -> None:
         assert digests_of_sums(sums, np.array([4, 4])) == digests_of_sums(
             np.array([11, 12]), np.array([4, 4])
         )
-    finally:
-        ringer.close()
-        box.close()
 
 
 @pytest.mark.gpu
@@ -253,9 +212,7 @@ def test_a_device_ring_is_heard_without_an_announcement() -> None:
 def test_the_device_rings_a_box_of_host_memory_from_a_cuda_graph() -> None:
     """The box mapped for the device: a graph's replays ring a new slot each, read
     from the ids uploaded before each replay."""
-    box = BellBox(4, 16)
-    ringer = BellRinger(box.info)
-    try:
+    with BellBox(4, 16) as box, BellRinger(box.info) as ringer:
         values = torch.arange(1, 9, dtype=torch.int64, device="cuda") * -3
         pinned = torch.zeros(5, dtype=torch.int64, pin_memory=True)
         ids = torch.zeros(5, dtype=torch.int64, device="cuda")
@@ -280,6 +237,3 @@ def test_the_device_rings_a_box_of_host_memory_from_a_cuda_graph() -> None:
             rung = box.wait(ticket, 5.0)
             assert rung is not None and rung[1].tolist() == values.cpu().tolist()
             box.release(ticket)
-    finally:
-        ringer.close()
-        box.close()

@@ -195,9 +195,7 @@ def test_the_launch_rings_decodes_doorbell_with_the_sums_of_its_digests(segments
     k, v = random_kv(2, 12 * 4, 4, 16, torch.bfloat16, 3, device)
     pages, dst_pages = random_pages(12, 5, 3), random_pages(12, 5, 4)
     target = _target(2, 12, 4, 2, 16, torch.bfloat16, device)
-    box = BellBox(2, 64)
-    ringer = BellRinger(box.info)
-    try:
+    with BellBox(2, 64) as box, BellRinger(box.info) as ringer:
         ticket = box.ticket()
         assert ticket is not None
         address = ringer.device_slot(ticket.slot, torch.device(device))
@@ -213,9 +211,6 @@ def test_the_launch_rings_decodes_doorbell_with_the_sums_of_its_digests(segments
         assert rung is not None and rung[0] == SUMS and len(rung[1]) == 4 * len(segments)
         words = np.repeat(np.asarray(pending.words, dtype=np.uint64), 4)
         assert digests_of_sums(rung[1], words) == digests
-    finally:
-        ringer.close()
-        box.close()
 
 
 @pytest.mark.gpu

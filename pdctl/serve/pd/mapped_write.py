@@ -260,34 +260,27 @@ class MappedWriter:
         first = self.kv.k_buffers[0]
         if first.device.type != "cuda":
             return
-        box = BellBox(1, 2 * len(self.kv.k_buffers))
-        ringer = BellRinger(box.info)
         try:
-            ticket = box.ticket()
-            assert ticket is not None
-            address = ringer.device_slot(ticket.slot, first.device)
-            scratch = self.kv.scratch_row // self.kv.page_size
-            own = [
-                b for pair in zip(self.kv.k_buffers, self.kv.v_buffers, strict=True) for b in pair
-            ]
-            pending = start_page_write(
-                self.kv.k_buffers, self.kv.v_buffers, [scratch],
-                PeerPages(own, [scratch], 0), [(0, 1)], head_start=0,
-                num_heads=first.shape[1], page_size=self.kv.page_size,
-                bell=None if address is None else (address, ticket.seq),
-            )  # fmt: skip
-            pending.result()
-            if pending.rung and box.wait(ticket, 5.0) is None:
-                log.warning(
-                    "the doorbell warm-up rang nothing: rings from the device may not arrive"
-                )
+            with BellBox(1, 2 * len(self.kv.k_buffers)) as box, BellRinger(box.info) as ringer:
+                ticket = box.ticket()
+                assert ticket is not None
+                address = ringer.device_slot(ticket.slot, first.device)
+                scratch = self.kv.scratch_row // self.kv.page_size
+                own = [b for pair in zip(self.kv.k_buffers, self.kv.v_buffers, strict=True)
+                       for b in pair]  # fmt: skip
+                pending = start_page_write(
+                    self.kv.k_buffers, self.kv.v_buffers, [scratch],
+                    PeerPages(own, [scratch], 0), [(0, 1)], head_start=0,
+                    num_heads=first.shape[1], page_size=self.kv.page_size,
+                    bell=None if address is None else (address, ticket.seq),
+                )  # fmt: skip
+                pending.result()
+                if pending.rung and box.wait(ticket, 5.0) is None:
+                    log.warning("the doorbell warm-up rang nothing: device rings may not arrive")
         except Exception:
             log.exception(
                 "the mapped write's kernels could not be warmed: the first write compiles"
             )
-        finally:
-            ringer.close()
-            box.close()
 
     def start(self, write: RoomWrite) -> StartedWrite | None:
         """Enqueue the write on the current stream now (`arm`, then `fire`)."""
