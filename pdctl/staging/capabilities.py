@@ -220,7 +220,10 @@ def _cpu_staging() -> dict[str, Any]:
     from pdctl.staging.kernels import native
 
     ok, why = native.available()
-    return {"native": ok, "detail": why if not ok else f"C row copy ({native.library_dir()})"}
+    return {
+        "native": ok,
+        "detail": why if not ok else f"C row copy, {why} ({native.library_dir()})",
+    }
 
 
 def capabilities(data: dict[str, Any]) -> set[str]:

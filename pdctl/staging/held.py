@@ -84,6 +84,18 @@ def stream_handle(stream: Any) -> int:
     return int(stream.cuda_stream)
 
 
+def current_stream_handle(index: int) -> int:
+    """The calling thread's current stream on CUDA device `index`, as a handle: read
+    without making a torch stream object (which costs several microseconds a call on
+    a slow host), where this torch offers that."""
+    if _RAW_STREAM is not None:
+        return int(_RAW_STREAM(index))
+    return stream_handle(torch.cuda.current_stream(index))  # cuda-only: a CUDA stream
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 class HeldEvent:
     """A timing event whose record, query and elapsed time keep the GIL; the same
     calls as torch's CUDA Event (record takes a torch stream, or the current one)."""
@@ -95,12 +107,11 @@ class HeldEvent:
         self.handle = handle
 
     def record(self, stream: Any = None) -> None:
+        """Recorded on `stream`: a torch stream, a stream handle (int), or the current."""
         if stream is None:
             stream = torch.cuda.current_stream(self._device)  # cuda-only: a CUDA event
-        self._calls.check(
-            self._calls.event_record(self.handle, ctypes.c_void_p(stream_handle(stream))),
-            "cuEventRecord",
-        )
+        handle = stream if isinstance(stream, int) else stream_handle(stream)
+        self._calls.check(self._calls.event_record(self.handle, handle), "cuEventRecord")
 
     def query(self) -> bool:
         result = self._calls.event_query(self.handle)
@@ -144,18 +155,28 @@ def held_event(device: torch.device) -> HeldEvent | None:
         return None
 
 
-def launch_graph(graph: Any, stream: Any) -> bool:
-    """Launch a captured torch CUDA graph on `stream` keeping the GIL (True), or leave
-    it to the caller (False: no driver, no raw handle in this torch, no context)."""
+class HeldGraph:
+    """A captured torch CUDA graph, launched through the driver keeping the GIL: its
+    executable's handle read once (torch instantiates it when the capture ends)."""
+
+    def __init__(self, calls: _Driver, executable: int) -> None:
+        self._calls, self._executable = calls, ctypes.c_void_p(executable)
+
+    def launch(self, stream: int) -> None:
+        """On the stream with this handle (`current_stream_handle`)."""
+        self._calls.check(self._calls.graph_launch(self._executable, stream), "cuGraphLaunch")
+
+
+def held_graph(graph: Any) -> HeldGraph | None:
+    """`graph` (a torch CUDA graph, captured) to launch through the driver, or None
+    (no driver, no raw handle in this torch, no context on this thread: torch's
+    `replay` then)."""
     calls = driver()
     raw = getattr(graph, "raw_cuda_graph_exec", None)
     if calls is None or raw is None or not calls.has_context():
-        return False
-    calls.check(
-        calls.graph_launch(ctypes.c_void_p(raw()), ctypes.c_void_p(stream_handle(stream))),
-        "cuGraphLaunch",
-    )
-    return True
+        return None
+    executable = int(raw())
+    return HeldGraph(calls, executable) if executable else None
 
 
 SCHEDULES = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}  # CU_CTX_SCHED_*

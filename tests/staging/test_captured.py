@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -26,11 +25,12 @@ class FakeSlot:
 
     def __init__(self, index: int, num_ids: int, eager: Eager, log: list[Any]) -> None:
         self.index, self.eager, self.log = index, eager, log
-        self.ids = np.zeros(num_ids, dtype=np.int64)
+        self.ids = torch.zeros(num_ids, dtype=torch.int64)
+        self.armed = False
 
     def replay(self) -> Any:
-        self.log.append(("replay", self.index, self.ids.copy()))
-        return self.eager(torch.from_numpy(self.ids.copy()))
+        self.log.append(("replay", self.index, self.ids.clone()))
+        return self.eager(self.ids.clone())
 
     def wait(self) -> None:
         self.log.append(("wait", self.index))
@@ -59,8 +59,9 @@ def gather_via(calls: CapturedCalls, k, v, staging, pages, counter: list[int]) -
 
     key = ("gather", id(k), id(v), staging.data_ptr(), staging.numel(), len(pages))
     return calls.arm(
-        key, (k, v), staging.device, lambda: kernels._host_ids(k, v, pages, PAGE), eager, pages
-    )()
+        key, (k, v), staging.device,
+        lambda into: kernels._host_ids(k, v, pages, PAGE, into), eager, pages,
+    )()  # fmt: skip
 
 
 def test_a_shape_is_captured_on_its_sights_then_replayed_with_each_calls_ids() -> None:
@@ -137,7 +138,7 @@ def test_armed_calls_launch_later_each_with_its_own_ids() -> None:
             kernels._gather(k, v, ids, staging, (1, 1), PAGE, "torch")
             return staging.clone()
 
-        host = lambda: kernels._host_ids(k, v, pages, PAGE)  # noqa: E731
+        host = lambda into: kernels._host_ids(k, v, pages, PAGE, into)  # noqa: E731
         return calls.arm(key, (k, v), staging.device, host, eager, pages)
 
     for seed in range(2):  # the shape seen, then captured

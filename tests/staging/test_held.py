@@ -24,7 +24,7 @@ def test_no_event_is_made_off_cuda_or_without_a_driver() -> None:
     if ctypes.util.find_library("cuda") is None:  # a machine without the driver: torch's
         assert held.driver() is None
         assert held.held_event(torch.device("cuda")) is None
-        assert not held.launch_graph(object(), None)
+        assert held.held_graph(object()) is None
 
 
 def test_switched_off_every_call_is_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,7 +35,7 @@ def test_switched_off_every_call_is_torchs(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(held, "_DRIVER", None)
     assert held.driver() is None
     assert held.held_event(torch.device("cuda")) is None
-    assert not held.launch_graph(object(), None)
+    assert held.held_graph(object()) is None
 
 
 @pytest.mark.gpu
@@ -74,9 +74,10 @@ def test_a_graph_launched_through_the_driver_runs_what_torch_captured() -> None:
         values.add_(step)
     torch.cuda.synchronize()
     values.zero_()
-    current = torch.cuda.current_stream()
+    launcher = held.held_graph(graph)
+    assert launcher is not None
     for _ in range(3):
-        assert held.launch_graph(graph, current)
+        launcher.launch(held.current_stream_handle(device.index or 0))
     graph.replay()  # torch's own launch, in the same stream order
     torch.cuda.synchronize()
     assert torch.equal(values, 4 * step)

@@ -305,7 +305,7 @@ def test_host_page_checks_catch_every_bad_list(in_c: bool, monkeypatch) -> None:
     if in_c and not native.available()[0]:
         pytest.skip(f"the C library is not built here: {native.available()[1]}")
     if not in_c:
-        monkeypatch.setattr(native, "check_ids", lambda ids, num_pages: None)
+        monkeypatch.setattr(native, "check_ids", lambda ids, num_pages, out=None: None)
     with pytest.raises(ValueError, match="page index -1 is outside"):
         _check_host_pages(np.array([1, 1, -1], dtype=np.int64), 8)
     with pytest.raises(ValueError, match="page index 3 appears more than once"):
@@ -334,3 +334,7 @@ def _check_pages_against_the_definition(_check_host_pages, pages, num_pages) -> 
             _check_host_pages(array, num_pages)
     else:
         _check_host_pages(array, num_pages)
+        for given in (array, torch.from_numpy(array)):  # numpy, or a tensor (its address)
+            into = torch.full((len(pages),), -7, dtype=torch.int64)  # a replay's slot
+            _check_host_pages(given, num_pages, into)
+            assert into.tolist() == pages

@@ -66,3 +66,51 @@ def test_a_failed_build_says_why(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(OSError):
         native.build()
+
+
+@pytest.mark.parametrize(
+    ("page_size", "chunk_words", "col_words", "threads"),
+    [
+        (1, 128, 128, 2),  # 256-byte chunks at 256-byte offsets: streamed
+        (64, 512, 0, 3),  # whole pages of 1 KiB chunks, threads splitting mid-buffer
+        (3, 5, 1, 2),  # 10-byte chunks at 2-byte offsets: copied without streaming
+        (16, 32, 16, 1),  # 64-byte chunks at 32-byte offsets, one thread: streamed
+        (2, 32, 4, 2),  # 64-byte chunks at 8-byte offsets: not aligned, not streamed
+    ],
+)
+def test_a_large_copy_lands_every_byte_whatever_the_path(
+    page_size: int, chunk_words: int, col_words: int, threads: int
+) -> None:
+    """Copies of 4 MiB and more stream their stores where chunk and address allow, and
+    the walk steps (buffer, page, slot) without dividing: every byte lands where
+    index_select says, in both directions, on threads that split buffers anywhere."""
+    num_buffers, pages_used = 6, 12288 // page_size + 7  # 4.5 MiB and more of int16 words
+    row_words = 2 * chunk_words + col_words
+    generator = torch.Generator().manual_seed(page_size)
+    pool_pages = pages_used + 11
+    buffers = [
+        torch.randint(-(2**15), 2**15, (pool_pages * page_size, row_words), dtype=torch.int16,
+                      generator=generator)
+        for _ in range(num_buffers)
+    ]  # fmt: skip
+    pages = torch.randperm(pool_pages, generator=generator)[:pages_used]
+    tokens = pages_used * page_size
+    rows = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+    staging = torch.empty(num_buffers, tokens, chunk_words, dtype=torch.int16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert native.copy_rows(buffers, pages, page_size, staging, col_words, to_staging=True)
+        for b, buffer in enumerate(buffers):
+            assert torch.equal(staging[b], buffer[rows, col_words : col_words + chunk_words]), b
+        targets = [torch.zeros_like(b) for b in buffers]
+        assert native.copy_rows(targets, pages, page_size, staging, col_words, to_staging=False)
+    finally:
+        torch.set_num_threads(before)
+    for target, buffer in zip(targets, buffers, strict=True):
+        window = slice(col_words, col_words + chunk_words)
+        assert torch.equal(target[rows, window], buffer[rows, window])
+        untouched = torch.ones(target.shape[0], dtype=torch.bool)
+        untouched[rows] = False
+        assert not target[untouched].any() and not target[:, :col_words].any()
+        assert not target[:, col_words + chunk_words :].any()

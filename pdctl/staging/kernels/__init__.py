@@ -54,8 +54,11 @@ def upload_pages(page_indices: PageIndices, page_size: int, info: KVInfo) -> tor
     )
 
 
-def checked_pages(page_indices: PageIndices, page_size: int, info: KVInfo) -> torch.Tensor:
-    """Page ids as a 1-D integer tensor where they are; host ids range- and duplicate-checked."""
+def checked_pages(
+    page_indices: PageIndices, page_size: int, info: KVInfo, into: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Page ids as a 1-D integer tensor where they are; host ids range- and
+    duplicate-checked, and copied to `into` (int64, as long) where it is given."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     pages = torch.as_tensor(page_indices)
@@ -64,7 +67,7 @@ def checked_pages(page_indices: PageIndices, page_size: int, info: KVInfo) -> to
             f"page_indices must be a 1-D integer sequence, got {pages.dtype} {tuple(pages.shape)}"
         )
     if pages.device.type == "cpu" and pages.numel():
-        _check_host_pages(pages.numpy(), info.pool_tokens // page_size)
+        _check_host_pages(pages, info.pool_tokens // page_size, into)
     return pages
 
 
@@ -81,8 +84,12 @@ def _scratch(num_pages: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     return stamps, order[:count]
 
 
-def _check_host_pages(pages: np.ndarray, num_pages: int) -> None:
-    """Range and duplicate check (this runs on every host page list).
+def _check_host_pages(
+    ids: np.ndarray | torch.Tensor, num_pages: int, into: torch.Tensor | None = None
+) -> None:
+    """Range and duplicate check (this runs on every host page list), and the ids'
+    copy to `into` (an int64 CPU tensor as long) where it is given, in the same pass
+    where the check runs in C.
 
     A pool at most 16x the list: mark a pool-sized bool array and count (two fast
     passes). A larger pool (a million pages): each position stamps its page with its
@@ -90,11 +97,14 @@ def _check_host_pages(pages: np.ndarray, num_pages: int) -> None:
     stamp, so reading the stamps back differs exactly where ids repeat, and nothing
     proportional to the pool is touched.
     """
-    found = native.check_ids(pages, num_pages)  # one pass in C, where it is built
+    found = native.check_ids(ids, num_pages, into)  # one pass in C, where it is built
+    if found is not None and found[0] < 0:
+        return  # the common case: every id good (and copied)
+    pages = ids.numpy() if isinstance(ids, torch.Tensor) else ids
+    if found is None and into is not None:  # not built, or ids of another integer type
+        into.numpy()[:] = pages
     if found is not None:
         position, repeated = found
-        if position < 0:
-            return
         if not repeated:
             _raise_outside(pages, num_pages)
         raise ValueError(f"page index {int(pages[position])} appears more than once")
@@ -306,10 +316,12 @@ def _replayed(
     if not _capturable(staging, page_indices):
         return eager(page_indices)
     memory = (staging.data_ptr(), staging.numel(), staging.is_contiguous(), staging.dtype)
-    key = (*params, id(k_buffers), id(v_buffers), *memory, len(page_indices), page_size)
+    count = page_indices.shape[0] if isinstance(page_indices, torch.Tensor) else len(page_indices)
+    key = (*params, id(k_buffers), id(v_buffers), *memory, count, page_size)
     return CAPTURED.arm(
         key, (k_buffers, v_buffers), staging.device,
-        lambda: _host_ids(k_buffers, v_buffers, page_indices, page_size), eager, page_indices,
+        lambda into: _host_ids(k_buffers, v_buffers, page_indices, page_size, into), eager,
+        page_indices,
     )()  # fmt: skip
 
 
@@ -318,10 +330,12 @@ def _host_ids(
     v_buffers: Sequence[torch.Tensor],
     page_indices: PageIndices,
     page_size: int,
-) -> np.ndarray:
-    """The host ids as int64 numpy, checked as `upload_pages` checks them."""
-    pages = checked_pages(page_indices, page_size, prepare_kv(k_buffers, v_buffers).info)
-    return pages.numpy().astype(np.int64, copy=False)
+    into: torch.Tensor | None,
+) -> torch.Tensor:
+    """The host ids as a CPU tensor, checked as `upload_pages` checks them; written to
+    `into` (a replay's pinned slot) in the check's pass where it is given."""
+    pages = checked_pages(page_indices, page_size, prepare_kv(k_buffers, v_buffers).info, into)
+    return into if into is not None else pages.to(torch.int64)
 
 
 _DIGEST_TABLES: BufferCache[torch.Tensor] = BufferCache(

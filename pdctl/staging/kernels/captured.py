@@ -1,13 +1,15 @@
 """Checked staging calls replayed as CUDA graphs: a repeated call's host work is a
-lookup, the page check, a copy of the ids into pinned memory and one graph launch.
+lookup, the page check (which writes the ids into pinned memory as it reads them) and
+one graph launch.
 
 A checked gather or scatter does tens of microseconds of host work (views, the ids'
 upload, the kernel's launch), as long as the device takes to copy a hundred
 megabytes; where the host is slow, that work, not the copy, sets the rate. A call
 that comes back the same (the same KV lists, the same staging memory, as many page
 ids, the same page size, heads and backend) is captured, on its SIGHTS-th sight, as
-a graph of two nodes: the ids' upload from a pinned slot, then the kernels. A
-replay reads the ids the host wrote to the slot just before.
+a graph of two nodes: the ids' upload from a pinned slot (a kernel reading the host
+memory, `kernels.upload`: no hand-over to the copy engine and back), then the kernels.
+A replay reads the ids the host wrote to the slot just before.
 
 Each call shape keeps a ring of SLOTS graphs, each with its own pinned ids and
 device ids, and an event recorded behind each replay: a slot is written again only
@@ -24,6 +26,7 @@ dtype and layout, all a replay's effect depends on.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 from collections import OrderedDict
@@ -31,7 +34,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-import numpy as np
 import torch
 
 from pdctl.staging import held
@@ -43,15 +45,19 @@ SIGHTS = 3  # eager calls of a shape before the next one captures it
 SLOTS = 4  # graphs per shape, replayed in turn
 MAX_SHAPES = 32  # per thread; the least recently used shape is dropped
 ENABLED = os.environ.get("PDCTL_STAGING_GRAPHS", "1") != "0"
+UPLOAD_KERNEL = os.environ.get("PDCTL_STAGING_UPLOAD_KERNEL", "1") != "0"  # else a copy node
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 Eager = Callable[[Any], Any]  # the checked call on these ids (host or device) -> its value
+# the call's host ids, checked (raising as the eager call would), as a CPU tensor; with
+# a slot's pinned ids given, written there in the same pass (and those returned)
+HostIds = Callable[[torch.Tensor | None], torch.Tensor]
 Named = Sequence[Sequence[torch.Tensor]]  # the tensor lists a call reads and writes
 
 
 class Slot(Protocol[T_co]):
-    ids: np.ndarray  # the replay's ids, written by the host before `replay`
+    ids: torch.Tensor  # the replay's ids (int64, CPU), written by the host before `replay`
     armed: bool  # ids written for a replay not yet launched (`CapturedCalls.arm`)
 
     def replay(self) -> T_co: ...
@@ -71,20 +77,16 @@ class _Shape:
     slots: list[Slot[Any]] = field(default_factory=list)
     next: int = 0
     failed: bool = False
-    ids: tuple[tuple[int, ...], ...] = ()
-
-    def __post_init__(self) -> None:
-        self.ids = _identities(self.named)
 
     def names(self, named: Named) -> bool:
-        """The same tensors, by identity (a graph holds their addresses). Compared as
-        their ids, a C-speed walk: the tensors named are held here, so their ids are
-        theirs alone."""
-        return _identities(named) == self.ids
-
-
-def _identities(named: Named) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(map(id, tensors)) for tensors in named)
+        """The same tensors, by identity (a graph holds their addresses): a C-speed
+        walk of each list, nothing allocated."""
+        if len(named) != len(self.named):
+            return False
+        for kept, given in zip(self.named, named, strict=True):
+            if len(kept) != len(given) or not all(map(operator.is_, kept, given)):
+                return False
+        return True
 
 
 class CudaSlot:
@@ -93,40 +95,64 @@ class CudaSlot:
     (`body`; for a gather or scatter its byte count, the same on every replay)."""
 
     def __init__(self, device: torch.device, num_ids: int, eager: Eager, pool: Any) -> None:
-        self.pinned = torch.empty(num_ids, dtype=torch.int64, pin_memory=True)
-        self.ids = self.pinned.numpy()
+        self.pinned = self.ids = torch.empty(num_ids, dtype=torch.int64, pin_memory=True)
         self.device_ids = torch.empty(num_ids, dtype=torch.int64, device=device)
         self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.armed = False
         fallback = torch.cuda.Event  # cuda-only: graphs are CUDA's
         self.done: Any = held.held_event(device) or fallback()
         self.used = False
         self.graph = torch.cuda.CUDAGraph()  # cuda-only: graphs are CUDA's
         stream = torch.cuda.Stream(device)  # cuda-only: graphs are CUDA's
+        upload = _uploader(self.pinned, self.device_ids, stream)
         capturing = torch.cuda.graph(  # cuda-only: graphs are CUDA's
             self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"
         )
         with keeping() as self.kept, capturing:  # the pointer tables it reads stay alive
-            self.device_ids.copy_(self.pinned, non_blocking=True)
+            upload()
             self.value = self.body(eager, self.device_ids)
+        launcher = held.held_graph(self.graph)
+        self.launcher = launcher if isinstance(self.done, held.HeldEvent) else None
 
     def body(self, eager: Eager, device_ids: torch.Tensor) -> Any:
         """What the graph holds, run once under capture: the call on the device ids."""
         return eager(device_ids)
 
     def replay(self) -> Any:
-        """The graph launched on the current stream, keeping the GIL where the driver
-        is at hand (`staging.held`), and the event behind it recorded."""
-        stream = torch.cuda.current_stream(self.device)  # cuda-only: graphs are CUDA's
-        if not held.launch_graph(self.graph, stream):
+        """The graph launched on the current stream, and the event behind it recorded:
+        through the driver with the GIL kept where it is at hand (`staging.held`), the
+        stream read as a handle."""
+        if self.launcher is not None:
+            handle = held.current_stream_handle(self.index)
+            self.launcher.launch(handle)
+            self.done.record(handle)
+        else:
             self.graph.replay()
-        self.done.record(stream)
+            self.done.record(torch.cuda.current_stream(self.device))  # cuda-only: graphs
         self.used = True
         return self.value
 
     def wait(self) -> None:
         if self.used:
             self.done.synchronize()
+
+
+def _uploader(pinned: torch.Tensor, target: torch.Tensor, stream: Any) -> Callable[[], object]:
+    """What brings a slot's ids to the device inside its graph: the upload kernel
+    (`kernels.upload`, compiled and run once here on `stream`, before the capture), or
+    a copy where it cannot run."""
+    if not UPLOAD_KERNEL:
+        return lambda: target.copy_(pinned, non_blocking=True)
+    try:
+        from pdctl.staging.kernels.upload import upload
+
+        with torch.cuda.stream(stream):  # cuda-only: graphs are CUDA's
+            upload(pinned, target)
+        return lambda: upload(pinned, target)
+    except Exception as exc:  # no Triton, or a device it cannot read host memory from
+        log.info("staging: a captured call uploads its ids by a copy (%s)", exc)
+        return lambda: target.copy_(pinned, non_blocking=True)
 
 
 def capture_cuda(device: torch.device, num_ids: int, eager: Eager, first: Any) -> list[Slot[Any]]:
@@ -162,7 +188,7 @@ class CapturedCalls(Generic[T]):
         key: tuple[Any, ...],
         named: Named,
         device: torch.device,
-        host_ids: Callable[[], np.ndarray],
+        host_ids: HostIds,
         eager: Callable[[Any], T],
         ids: Any,
         ahead: Any = None,
@@ -170,10 +196,10 @@ class CapturedCalls(Generic[T]):
         """`eager(ids)` or its replay, armed: the host work now, the launch by the
         function returned (a replay, or the eager call), at once or later, on any
         thread (the caller's current stream then). `named`: the tensor lists the call
-        reads and writes (a shape replays only with these very tensors); `host_ids()`
-        checks the ids (raising as the eager path does) and returns them as int64
-        numpy. A replay's slot is armed until launched: a shape whose next slot
-        is still armed goes the eager way for that call.
+        reads and writes (a shape replays only with these very tensors); `host_ids`
+        checks the ids and writes them into the replay's slot (`HostIds`). A
+        replay's slot is armed until launched: a shape whose next slot is still armed
+        goes the eager way for that call.
 
         `ahead`: what the capture needs in place of the eager call's value; given, a
         shape due for capture is captured here (capturing runs nothing on the device)
@@ -189,18 +215,18 @@ class CapturedCalls(Generic[T]):
         if shape.failed or shape.sights < self._sights:
             shape.sights += 1
             return lambda: eager(ids)
-        checked = host_ids()
         if not shape.slots:
+            checked = host_ids(None)
             if ahead is None:
                 return lambda: self._first(shape, checked, eager, device)
             if not self._capture_shape(shape, device, len(checked), eager, ahead):
                 return lambda: eager(checked)
         slot = shape.slots[shape.next]
-        if getattr(slot, "armed", False):
-            return lambda: eager(checked)
+        if slot.armed:
+            return lambda: eager(ids)  # checks the ids itself
         shape.next = (shape.next + 1) % len(shape.slots)
-        slot.wait()
-        slot.ids[:] = checked
+        slot.wait()  # the device read this slot's ids for its last replay
+        host_ids(slot.ids)  # checked, and written to the slot in one pass
         slot.armed = True
 
         def replay() -> T:
@@ -212,7 +238,7 @@ class CapturedCalls(Generic[T]):
         return replay
 
     def _first(
-        self, shape: _Shape, ids: np.ndarray, eager: Callable[[Any], T], device: torch.device
+        self, shape: _Shape, ids: torch.Tensor, eager: Callable[[Any], T], device: torch.device
     ) -> T:
         """This call eagerly, then the shape's capture (which runs nothing)."""
         value = eager(ids)

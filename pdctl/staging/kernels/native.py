@@ -56,9 +56,12 @@ def build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        flags = ["-O3", "-shared", "-fPIC", "-pthread"]
-        command = [compiler, *flags, "-o", str(built), str(SOURCE)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        for threading_flag in ("-fopenmp", "-pthread"):  # torch's OpenMP threads, else its own
+            flags = ["-O3", "-shared", "-fPIC", "-pthread", threading_flag]
+            command = [compiler, *flags, "-o", str(built), str(SOURCE)]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if result.returncode == 0:
+                break
         if result.returncode != 0:
             raise OSError(f"building the CPU staging copy failed: {result.stderr.strip()}")
         os.replace(built, target)
@@ -78,9 +81,10 @@ def _library() -> tuple[Any, str]:  # (the library or None, why)
     copy.restype = ctypes.c_int
     check = library.pdctl_check_ids
     check.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                      ctypes.c_uint32, ctypes.POINTER(ctypes.c_int)]  # fmt: skip
+                      ctypes.c_uint32, ctypes.POINTER(ctypes.c_int), ctypes.c_void_p]  # fmt: skip
     check.restype = ctypes.c_int64
-    return library, "built"
+    shared = library.pdctl_threading() == 1
+    return library, "built, on torch's OpenMP threads" if shared else "built, on threads of its own"
 
 
 def _function() -> tuple[Any, str]:  # (the C copy or None, why)
@@ -89,34 +93,59 @@ def _function() -> tuple[Any, str]:  # (the C copy or None, why)
 
 
 class _Stamps(threading.local):
-    """Per thread: the check's stamp words and this call's generation."""
+    """Per thread: the check's stamp words (and their address), this call's generation,
+    and the check's out-parameter, made once."""
 
     def __init__(self) -> None:
         self.words = np.zeros(0, dtype=np.uint32)
-        self.stamp = 0
+        self.size, self.address, self.stamp = 0, 0, 0
+        self.repeated = ctypes.c_int(0)
+        self.repeated_ref = ctypes.byref(self.repeated)
+
+    def grow(self, num_pages: int) -> None:
+        """Fresh words for at least `num_pages` (all zero, so any stamp from 1 is new)."""
+        self.words = np.zeros(max(num_pages, 2 * self.size), dtype=np.uint32)
+        self.size, self.address, self.stamp = len(self.words), self.words.ctypes.data, 0
 
 
 _STAMPS = _Stamps()
 
 
-def check_ids(ids: np.ndarray, num_pages: int) -> tuple[int, bool] | None:
-    """The first bad page id of a contiguous int64 array, in C: (its position, whether
-    it repeats an earlier one; else it lies outside [0, num_pages)); (-1, False) when
-    every id is good; None where the C library is not built (the caller checks)."""
+def check_ids(
+    ids: np.ndarray | torch.Tensor, num_pages: int, out: torch.Tensor | None = None
+) -> tuple[int, bool] | None:
+    """The first bad page id of a contiguous int64 array (numpy, or a CPU tensor), in C:
+    (its position, whether it repeats an earlier one; else it lies outside
+    [0, num_pages)); (-1, False) when every id is good; None where the C library is not
+    built or the ids are of another layout (the caller checks). `out` (a contiguous
+    int64 CPU tensor as long as `ids`: a replay's pinned slot): the ids are copied there
+    in the same pass (where the result is not -1, its contents are undefined)."""
     library, _ = _library()
-    if library is None or ids.dtype != np.int64 or not ids.flags.c_contiguous:
+    if library is None:
         return None
+    if isinstance(ids, torch.Tensor):  # addresses read from tensors: the fast way
+        if ids.dtype != torch.int64 or ids.device.type != "cpu" or not ids.is_contiguous():
+            return None
+        address, count = ids.data_ptr(), ids.numel()
+    else:
+        if ids.dtype != np.int64 or not ids.flags.c_contiguous:
+            return None
+        address, count = ids.ctypes.data, len(ids)
+    target = None
+    if out is not None:
+        if out.dtype != torch.int64 or out.device.type != "cpu" or out.numel() != count:
+            return None
+        if not out.is_contiguous():
+            return None
+        target = out.data_ptr()
     stamps = _STAMPS
-    if len(stamps.words) < num_pages or stamps.stamp >= 0xFFFFFFFF:
-        stamps.words = np.zeros(max(num_pages, 2 * len(stamps.words)), dtype=np.uint32)
-        stamps.stamp = 0
+    if stamps.size < num_pages or stamps.stamp >= 0xFFFFFFFF:
+        stamps.grow(num_pages)
     stamps.stamp += 1
-    repeated = ctypes.c_int(0)
     position = library.pdctl_check_ids(
-        ids.ctypes.data, len(ids), num_pages, stamps.words.ctypes.data, stamps.stamp,
-        ctypes.byref(repeated),
-    )  # fmt: skip
-    return int(position), bool(repeated.value)
+        address, count, num_pages, stamps.address, stamps.stamp, stamps.repeated_ref, target
+    )
+    return int(position), bool(stamps.repeated.value)
 
 
 def available() -> tuple[bool, str]:

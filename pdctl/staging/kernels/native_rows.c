@@ -1,52 +1,134 @@
 /* pdctl's CPU staging copy: a row slice of every (buffer, token) between KV buffers
- * and a contiguous staging block, memcpy per chunk, split over threads.
+ * and a contiguous staging block, copied per chunk, split over threads.
  *
  *   KV buffer b:  table[b] + row(t) * row_bytes + col_bytes, chunk bytes
  *   staging:      staging + (b * num_tokens + t) * chunk
  *   row(t) = pages[t / page_size] * page_size + t % page_size
  *
  * Rows of a page-1 layout are a few hundred bytes at random places in the pool:
- * each copy prefetches the row PREFETCH_AHEAD items ahead, so the memory system
- * fetches several rows at once instead of waiting for each in turn. The caller
- * checks every page id against the pool before calling (pdctl/staging/kernels/native.py).
+ * each copy prefetches the row PREFETCH_BYTES of items ahead, so the memory system
+ * fetches several rows at once instead of waiting for each in turn. A large copy
+ * (STREAM_BYTES or more) writes with streaming stores where the chunk and its
+ * destination allow (x86: 16-byte multiples at 16-byte addresses): a store that
+ * misses the cache otherwise first reads the line it overwrites, a third of the
+ * traffic of a copy; the bytes written are not read back before the copy ends.
+ * The caller checks every page id against the pool before calling
+ * (pdctl/staging/kernels/native.py).
  */
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
-#define PREFETCH_AHEAD 8
+#define PREFETCH_BYTES 4096 /* how far ahead rows are prefetched: ~ a memory latency of copying */
 #define MAX_THREADS 64
+#define STREAM_BYTES (4 << 20)
 
 typedef struct {
     const int64_t *table;
     const int64_t *pages;
     uint8_t *staging;
     int64_t num_tokens, page_size, row_bytes, col_bytes, chunk;
-    int to_staging;
+    int to_staging, stream;
     int64_t begin, end;
 } part_t;
 
-static uint8_t *kv_at(const part_t *p, int64_t item) {
-    int64_t buffer = item / p->num_tokens, token = item % p->num_tokens;
-    int64_t row = p->pages[token / p->page_size] * p->page_size + token % p->page_size;
-    return (uint8_t *)(intptr_t)p->table[buffer] + row * p->row_bytes + p->col_bytes;
+/* A position in the walk over (buffer, token) items, stepped without divisions (an
+ * item costs a few hundred cycles of copying; two divisions per item were a third). */
+typedef struct {
+    int64_t buffer, token, page, slot; /* page: index into pages; slot: row in the page */
+} cursor_t;
+
+static cursor_t cursor_at(const part_t *p, int64_t item) {
+    cursor_t c;
+    c.buffer = item / p->num_tokens;
+    c.token = item % p->num_tokens;
+    c.page = c.token / p->page_size;
+    c.slot = c.token % p->page_size;
+    return c;
+}
+
+static void step(const part_t *p, cursor_t *c) {
+    if (++c->token == p->num_tokens) {
+        c->buffer++;
+        c->token = c->page = c->slot = 0;
+    } else if (++c->slot == p->page_size) {
+        c->page++;
+        c->slot = 0;
+    }
+}
+
+static uint8_t *kv_at(const part_t *p, const cursor_t *c) {
+    int64_t row = p->pages[c->page] * p->page_size + c->slot;
+    return (uint8_t *)(intptr_t)p->table[c->buffer] + row * p->row_bytes + p->col_bytes;
+}
+
+/* `bytes` from `source` to `target` with streaming stores (both checked by the caller:
+ * bytes a multiple of 16, target 16-byte aligned); memcpy where there are none. */
+static void stream_copy(uint8_t *target, const uint8_t *source, int64_t bytes) {
+#if defined(__SSE2__)
+    int64_t offset = 0;
+    for (; offset + 64 <= bytes; offset += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(source + offset));
+        __m128i b = _mm_loadu_si128((const __m128i *)(source + offset + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(source + offset + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(source + offset + 48));
+        _mm_stream_si128((__m128i *)(target + offset), a);
+        _mm_stream_si128((__m128i *)(target + offset + 16), b);
+        _mm_stream_si128((__m128i *)(target + offset + 32), c);
+        _mm_stream_si128((__m128i *)(target + offset + 48), d);
+    }
+    for (; offset < bytes; offset += 16)
+        _mm_stream_si128((__m128i *)(target + offset),
+                         _mm_loadu_si128((const __m128i *)(source + offset)));
+#else
+    memcpy(target, source, (size_t)bytes);
+#endif
 }
 
 static void *copy_part(void *arg) {
     const part_t *p = (const part_t *)arg;
+    int64_t distance = PREFETCH_BYTES / p->chunk < 2 ? 2 : PREFETCH_BYTES / p->chunk;
+    cursor_t now = cursor_at(p, p->begin), ahead = cursor_at(p, p->begin + distance);
     for (int64_t item = p->begin; item < p->end; item++) {
-        if (item + PREFETCH_AHEAD < p->end) {
-            const uint8_t *ahead = kv_at(p, item + PREFETCH_AHEAD);
+        if (item + distance < p->end) {
+            const uint8_t *next = kv_at(p, &ahead);
             for (int64_t offset = 0; offset < p->chunk; offset += 64)
-                __builtin_prefetch(ahead + offset, 0, 0);
+                __builtin_prefetch(next + offset, 0, 3);
+            step(p, &ahead);
         }
-        uint8_t *kv = kv_at(p, item), *staged = p->staging + item * p->chunk;
-        if (p->to_staging)
-            memcpy(staged, kv, (size_t)p->chunk);
+        uint8_t *kv = kv_at(p, &now), *staged = p->staging + item * p->chunk;
+        uint8_t *target = p->to_staging ? staged : kv;
+        const uint8_t *source = p->to_staging ? kv : staged;
+        if (p->stream && ((uintptr_t)target & 15) == 0)
+            stream_copy(target, source, p->chunk);
         else
-            memcpy(kv, staged, (size_t)p->chunk);
+            memcpy(target, source, (size_t)p->chunk);
+        step(p, &now);
     }
+#if defined(__SSE2__)
+    if (p->stream)
+        _mm_sfence(); /* streamed bytes visible before the copy is said done */
+#endif
     return 0;
+}
+
+/* 1 where the copy's threads are OpenMP's: built with -fopenmp, the library shares
+ * the OpenMP runtime torch already loaded (the same soname), so a copy runs on torch's
+ * own worker threads instead of competing for the cores with them (they spin for a
+ * while after each parallel torch op; a copy on threads of its own right after one
+ * ran at half its rate on 2 cores). 0: threads of its own (pthreads). */
+int pdctl_threading(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* Returns 0, or -1 when a thread could not start (nothing is left half done: the
@@ -62,11 +144,31 @@ int pdctl_copy_rows(const int64_t *table, const int64_t *pages, uint8_t *staging
     int status = 0;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
+    int stream = 0;
+#if defined(__SSE2__)
+    stream = total * chunk >= STREAM_BYTES && chunk % 16 == 0;
+#endif
     for (int k = 0; k < threads; k++) {
         part_t part = {table, pages, staging, num_tokens, page_size, row_bytes, col_bytes,
-                       chunk, to_staging, total * k / threads, total * (k + 1) / threads};
+                       chunk, to_staging, stream, total * k / threads,
+                       total * (k + 1) / threads};
         parts[k] = part;
     }
+#ifdef _OPENMP
+    if (threads > 1) {
+        int ran = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : ran)
+        {
+            /* the team may be smaller than asked: its members share out every part */
+            int member = omp_get_thread_num(), members = omp_get_num_threads();
+            for (int k = member; k < threads; k += members) {
+                copy_part(&parts[k]);
+                ran++;
+            }
+        }
+        return ran == threads ? 0 : -1;
+    }
+#endif
     for (int k = 1; k < threads; k++)
         started[k] = pthread_create(&ids[k], 0, copy_part, &parts[k]) == 0;
     copy_part(&parts[0]);
@@ -82,13 +184,15 @@ int pdctl_copy_rows(const int64_t *table, const int64_t *pages, uint8_t *staging
 }
 
 /* Range and duplicate check of page ids in one pass (every host page list is checked
- * before a copy or a replay reads it). stamps: num_pages words, each below `stamp`
- * (the caller's generation for this call, never reused before the words are cleared).
- * Returns -1 when every id lies in [0, num_pages) and none repeats; else the position of
- * the first id outside (*repeated = 0: an id outside wins over a repeat anywhere, as the
- * numpy check reports it), or of the first id seen before (*repeated = 1). */
+ * before a copy or a replay reads it), copying them to `out` as it goes where `out` is
+ * not null (a replay's pinned slot: the check and the copy read the ids once).
+ * stamps: num_pages words, each below `stamp` (the caller's generation for this call,
+ * never reused before the words are cleared). Returns -1 when every id lies in
+ * [0, num_pages) and none repeats; else the position of the first id outside
+ * (*repeated = 0: an id outside wins over a repeat anywhere, as the numpy check reports
+ * it), or of the first id seen before (*repeated = 1). */
 int64_t pdctl_check_ids(const int64_t *ids, int64_t count, int64_t num_pages,
-                        uint32_t *stamps, uint32_t stamp, int *repeated) {
+                        uint32_t *stamps, uint32_t stamp, int *repeated, int64_t *out) {
     int64_t first_repeat = -1;
     for (int64_t i = 0; i < count; i++) {
         int64_t id = ids[i];
@@ -102,6 +206,8 @@ int64_t pdctl_check_ids(const int64_t *ids, int64_t count, int64_t num_pages,
         } else {
             stamps[id] = stamp;
         }
+        if (out)
+            out[i] = id;
     }
     *repeated = first_repeat >= 0;
     return first_repeat;

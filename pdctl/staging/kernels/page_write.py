@@ -233,7 +233,7 @@ def _arm(
     launch = _Launch(views, checked, page_size, col_starts, num_cols, bucket.segments)
 
     def eager(ids: np.ndarray | torch.Tensor) -> PendingDigests:
-        on_device = ids if isinstance(ids, torch.Tensor) else _uploaded(ids, device)
+        on_device = _uploaded(ids, device)  # host tables go up; a graph's device ids stay
         described, src, dst = (on_device[start:end] for start, end in parts[:3])
         rings = None if bell is None else (on_device, parts[3][0])
         return launch.run((described, src, dst), rings, words)
@@ -242,8 +242,9 @@ def _arm(
         return lambda: eager(joined)
     key = (page_size, bucket.key, col_starts, num_cols, bell is not None)
     replay = WRITES.arm(
-        key, (views, checked.views), device, lambda: joined, eager, joined, ahead=bucket.sums
-    )
+        key, (views, checked.views), device, functools.partial(_written, joined), eager, joined,
+        ahead=bucket.sums,
+    )  # fmt: skip
 
     def launched() -> PendingDigests:
         pending = replay()
@@ -251,6 +252,14 @@ def _arm(
         return pending
 
     return launched
+
+
+def _written(ids: np.ndarray, into: torch.Tensor | None) -> torch.Tensor:
+    """A write's joined tables (checked when they were built), copied to a slot's ids."""
+    if into is None:
+        return torch.from_numpy(ids)
+    into.numpy()[:] = ids
+    return into
 
 
 @dataclass(frozen=True)
@@ -412,8 +421,10 @@ def _joined(parts: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int]]]
     return joined, spans
 
 
-def _uploaded(ids: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(ids).to(device, non_blocking=True)
+def _uploaded(ids: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Ids on `device` (host ones copied there; ids already there as they are)."""
+    tensor = torch.from_numpy(ids) if isinstance(ids, np.ndarray) else ids
+    return tensor.to(device, non_blocking=True)
 
 
 def _page_ids(pages: PageIndices, num_pages: int) -> np.ndarray | torch.Tensor:

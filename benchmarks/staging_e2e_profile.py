@@ -1,0 +1,186 @@
+"""Where an end-to-end staging call's time goes on an accelerator, per bench shape.
+
+    python benchmarks/staging_e2e_profile.py [--device cuda] [--json out.json] [--trace DIR]
+
+For each `pdctl bench staging` shape, gather and scatter as the bench calls them
+(checked wrapper, page ids uploaded from pinned memory, graph replays):
+
+- `e2e_10`, `e2e_50`: the bench's measure (operations back to back between device
+  events) with 10 and 50 operations, as a fraction of a device copy timed the same way.
+- `host_us`: host work per call with the device idle (synchronised before each call).
+- `device_us`: the device's time per call, from a profiler trace of 10 calls back to
+  back (kernels and copies), with the idle gaps between them (`gap_us`), and the
+  delay from the first event to the first device work (`lead_us`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pdctl.staging import bench
+from pdctl.staging.kernels import gather_all_layers_to_staging, scatter_staging_to_kv
+
+
+def timed(device: torch.device, operation: Callable[[], object], iterations: int) -> float:
+    begin = torch.cuda.Event(enable_timing=True)  # cuda-only: benchmark script
+    end = torch.cuda.Event(enable_timing=True)  # cuda-only: benchmark script
+    torch.cuda.synchronize(device)  # cuda-only: benchmark script
+    begin.record()
+    for _ in range(iterations):
+        operation()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1000 / iterations
+
+
+def host_us(device: torch.device, operation: Callable[[], object], calls: int = 200) -> float:
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize(device)  # cuda-only: benchmark script
+        start = time.perf_counter()
+        operation()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def device_timeline(
+    device: torch.device, operation: Callable[[], object], trace: Path | None, name: str
+) -> dict[str, float]:
+    """Device activity of 10 calls back to back: busy, gaps, and the first call's lead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)  # cuda-only: benchmark script
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        marker = torch.cuda.Event()  # cuda-only: benchmark script
+        marker.record()
+        host_start = time.perf_counter()
+        for _ in range(10):
+            operation()
+        host_end = time.perf_counter()
+        torch.cuda.synchronize(device)  # cuda-only: benchmark script
+    if trace is not None:
+        trace.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace / f"{name}.json"))
+    spans = []
+    for event in prof.events():
+        kind = str(getattr(event, "device_type", ""))
+        if "CUDA" not in kind:
+            continue
+        interval = event.time_range
+        spans.append((interval.start, interval.end, event.name))
+    spans.sort()
+    if not spans:
+        return {"host_loop_us": (host_end - host_start) * 1e6}
+    busy = sum(end - start for start, end, _ in spans)
+    gaps = [max(0.0, spans[i + 1][0] - spans[i][1]) for i in range(len(spans) - 1)]
+    names: dict[str, float] = {}
+    for start, end, label in spans:
+        names[label[:60]] = names.get(label[:60], 0.0) + (end - start)
+    return {
+        "device_events": len(spans),
+        "device_busy_us_per_call": busy / 10,
+        "gap_us_per_call": sum(gaps) / 10,
+        "largest_gap_us": max(gaps) if gaps else 0.0,
+        "span_us_per_call": (spans[-1][1] - spans[0][0]) / 10,
+        "host_loop_us_per_call": (host_end - host_start) * 1e6 / 10,
+        "by_name_us_per_call": {key: value / 10 for key, value in names.items()},
+    }
+
+
+def profile_shape(shape: bench.Shape, device: torch.device, trace: Path | None) -> dict:
+    tokens = shape.num_tokens
+    num_pages = tokens // shape.page_size
+    pool_pages = num_pages + num_pages // 4 + 1
+    pool_tokens = pool_pages * shape.page_size
+    heads = max(1, shape.num_heads // 2)
+
+    def pool(num_heads: int) -> list[torch.Tensor]:
+        return [
+            torch.full((pool_tokens, num_heads, shape.head_dim), 1.0, dtype=torch.bfloat16,
+                       device=device)
+            for _ in range(shape.num_layers)
+        ]  # fmt: skip
+
+    pk, pv, dk, dv = pool(shape.num_heads), pool(shape.num_heads), pool(heads), pool(heads)
+    generator = torch.Generator().manual_seed(0)
+    pages = torch.randperm(pool_pages, generator=generator)[:num_pages].pin_memory()
+    nbytes = 2 * shape.num_layers * tokens * heads * shape.head_dim * 2
+    staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    source = torch.full((nbytes // 2,), 7.0, dtype=torch.bfloat16, device=device)
+    target = torch.empty_like(source)
+
+    operations: dict[str, Callable[[], object]] = {
+        "copy": lambda: target.copy_(source),
+        "gather": lambda: gather_all_layers_to_staging(
+            pk, pv, pages, staging, src_head_start=heads, num_heads=heads,
+            page_size=shape.page_size, backend="triton",
+        ),
+        "scatter": lambda: scatter_staging_to_kv(
+            staging, dk, dv, pages, page_size=shape.page_size, dst_head_start=0,
+            num_heads=heads, backend="triton",
+        ),
+    }  # fmt: skip
+    for operation in operations.values():
+        for _ in range(6):  # past the graphs' capture
+            operation()
+    row: dict = {"shape": shape.label, "mib": nbytes / 2**20}
+    for iterations in (10, 50):
+        times = {key: [] for key in operations}
+        for _ in range(7):
+            for key, operation in operations.items():
+                times[key].append(timed(device, operation, iterations))
+        median = {key: statistics.median(values) for key, values in times.items()}
+        row[f"copy_us_{iterations}"] = median["copy"] * 1e6
+        for key in ("gather", "scatter"):
+            row[f"{key}_e2e_{iterations}"] = median["copy"] / median[key]
+            row[f"{key}_us_{iterations}"] = median[key] * 1e6
+    for key, operation in operations.items():
+        row[f"{key}_host_us"] = host_us(device, operation)
+        row[f"{key}_timeline"] = device_timeline(
+            device,
+            operation,
+            trace,
+            f"{shape.num_layers}x{shape.num_heads}-p{shape.page_size}-{key}",
+        )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--trace", default=None)
+    parser.add_argument("--shapes", default="0,1,2,3")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    trace = Path(args.trace) if args.trace else None
+    rows = []
+    for index in (int(i) for i in args.shapes.split(",")):
+        row = profile_shape(bench.SHAPES[index], device, trace)
+        rows.append(row)
+        print(f"{row['shape']}: copy {row['copy_us_10']:.1f} us", flush=True)
+        for key in ("gather", "scatter"):
+            line = row[f"{key}_timeline"]
+            print(
+                f"  {key:<8} e2e10 {row[f'{key}_e2e_10']:.2f} e2e50 {row[f'{key}_e2e_50']:.2f}"
+                f"  {row[f'{key}_us_10']:.1f} us/op  host {row[f'{key}_host_us']:.1f} us"
+                f"  device busy {line.get('device_busy_us_per_call', 0):.1f}"
+                f" gaps {line.get('gap_us_per_call', 0):.1f}"
+                f" (max {line.get('largest_gap_us', 0):.1f})"
+                f" host loop {line.get('host_loop_us_per_call', 0):.1f}",
+                flush=True,
+            )
+            print(f"           {line.get('by_name_us_per_call')}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
