@@ -99,7 +99,7 @@ class CudaSlot:
         self.device_ids = torch.empty(num_ids, dtype=torch.int64, device=device)
         self.device = device
         index = device.index
-        self.index = index if index is not None else torch.cuda.current_device()  # cuda-only
+        self.index = index if index is not None else torch.cuda.current_device()  # cuda-only: graphs
         self.armed = False
         fallback = torch.cuda.Event  # cuda-only: graphs are CUDA's
         self.done: Any = held.held_event(device) or fallback()
