@@ -98,8 +98,8 @@ class CudaSlot:
         self.pinned = self.ids = torch.empty(num_ids, dtype=torch.int64, pin_memory=True)
         self.device_ids = torch.empty(num_ids, dtype=torch.int64, device=device)
         self.device = device
-        index = device.index
-        self.index = index if index is not None else torch.cuda.current_device()  # cuda-only: graphs
+        current = torch.cuda.current_device  # cuda-only: graphs are CUDA's
+        self.index = device.index if device.index is not None else current()
         self.armed = False
         fallback = torch.cuda.Event  # cuda-only: graphs are CUDA's
         self.done: Any = held.held_event(device) or fallback()
