@@ -158,9 +158,31 @@ def test_armed_calls_launch_later_each_with_its_own_ids() -> None:
         )
 
 
+def test_a_dropped_shape_waits_for_its_replays_first(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Its graphs, ids and memory go with it: a shape evicted (least recently used) or
+    replaced (its key naming other tensors) waits until the device passed every slot."""
+    monkeypatch.setattr(captured, "MAX_SHAPES", 1)
+    log: list[Any] = []
+    calls = CapturedCalls(capture=fake_capture(log), sights=1)
+    k, v, staging = setup()
+    counter = [0]
+    pages = random_pages(POOL_PAGES, COUNT, seed=3).tolist()
+    for _ in range(3):
+        gather_via(calls, k, v, staging, pages, counter)
+    assert calls.replays == 1
+    log.clear()
+    other = torch.empty_like(staging)  # another shape: the first is evicted
+    gather_via(calls, k, v, other, pages, counter)
+    assert [entry for entry in log if entry[0] == "wait"] == [
+        ("wait", i) for i in range(captured.SLOTS)
+    ]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-def test_cuda_replays_are_bitwise_the_eager_calls() -> None:
+@pytest.mark.parametrize("upload_kernel", [False, True], ids=["copy-node", "upload-kernel"])
+def test_cuda_replays_are_bitwise_the_eager_calls(upload_kernel: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(captured, "UPLOAD_KERNEL", upload_kernel)
     device = torch.device("cuda", 0)
     k, v = random_kv(5, 256 * PAGE, 4, 64, torch.bfloat16, seed=7, device=device)
     k2, v2 = random_kv(5, 256 * PAGE, 2, 64, torch.bfloat16, seed=8, device=device)
@@ -202,3 +224,16 @@ def test_what_caches_hand_out_during_a_capture_is_kept_with_it() -> None:
     assert cache.get(first) is not table  # rebuilt: only `kept` holds the old one now
     cache.get(second)
     assert kept == [table, inner]  # nothing handed out after the block is added
+
+
+def test_the_upload_kernel_refuses_what_it_cannot_read() -> None:
+    """Only page-locked host ids of the target's length and dtype: anything else would
+    read memory the device cannot reach, or past the ids."""
+    from pdctl.staging.kernels.upload import upload
+
+    with pytest.raises(ValueError, match=r"upload of 4 torch\.int64 ids into 3"):
+        upload(torch.zeros(4, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"into 4 torch\.int32"):
+        upload(torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="page-locked"):
+        upload(torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))

@@ -7,8 +7,10 @@ upload, the kernel's launch), as long as the device takes to copy a hundred
 megabytes; where the host is slow, that work, not the copy, sets the rate. A call
 that comes back the same (the same KV lists, the same staging memory, as many page
 ids, the same page size, heads and backend) is captured, on its SIGHTS-th sight, as
-a graph of two nodes: the ids' upload from a pinned slot (a kernel reading the host
-memory, `kernels.upload`: no hand-over to the copy engine and back), then the kernels.
+a graph of two nodes: the ids' upload from a pinned slot (a copy, or with
+PDCTL_STAGING_UPLOAD_KERNEL=1 a kernel reading the host memory, `kernels.upload`: no
+hand-over to the copy engine and back), then the kernels. A shape dropped (the least
+recently used, or its key named other tensors) first waits for its replays.
 A replay reads the ids the host wrote to the slot just before.
 
 Each call shape keeps a ring of SLOTS graphs, each with its own pinned ids and
@@ -45,7 +47,10 @@ SIGHTS = 3  # eager calls of a shape before the next one captures it
 SLOTS = 4  # graphs per shape, replayed in turn
 MAX_SHAPES = 32  # per thread; the least recently used shape is dropped
 ENABLED = os.environ.get("PDCTL_STAGING_GRAPHS", "1") != "0"
-UPLOAD_KERNEL = os.environ.get("PDCTL_STAGING_UPLOAD_KERNEL", "1") != "0"  # else a copy node
+# The ids' upload inside a graph: a copy node (default), or with 1 the upload kernel
+# (`kernels.upload`, 5-9 us less a replay on an H200). Opt-in until two illegal-address
+# faults seen with it on (docs/benchmarks.md, session 14) are explained.
+UPLOAD_KERNEL = os.environ.get("PDCTL_STAGING_UPLOAD_KERNEL", "0") == "1"
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -77,6 +82,12 @@ class _Shape:
     slots: list[Slot[Any]] = field(default_factory=list)
     next: int = 0
     failed: bool = False
+
+    def retire(self) -> None:
+        """Before this shape is dropped: until the device passed every replay of its
+        slots (their graphs, ids and memory are freed with them)."""
+        for slot in self.slots:
+            slot.wait()
 
     def names(self, named: Named) -> bool:
         """The same tensors, by identity (a graph holds their addresses): a C-speed
@@ -208,9 +219,11 @@ class CapturedCalls(Generic[T]):
         shapes = self._shapes()
         shape = shapes.get(key)
         if shape is None or not shape.names(named):
+            if shape is not None:
+                shape.retire()
             shapes[key] = _Shape(tuple(tuple(tensors) for tensors in named))
             if len(shapes) > MAX_SHAPES:
-                shapes.popitem(last=False)
+                shapes.popitem(last=False)[1].retire()
             return lambda: eager(ids)  # checks every argument
         shapes.move_to_end(key)
         if shape.failed or shape.sights < self._sights:

@@ -10,6 +10,10 @@ unified addressing) the upload stays on the compute engine: 65.2 us for both
 (`benchmarks/staging_e2e_profile.py`). Each id is read over the bus once, here, and
 the staging kernel then reads the device copy (a staging kernel reading the pinned
 ids itself would fetch each one once per buffer).
+
+Opt-in (PDCTL_STAGING_UPLOAD_KERNEL=1, `captured.UPLOAD_KERNEL`): two runs of
+`benchmarks/staging_e2e_profile.py` with it on, each the first on a freshly started
+H200, faulted with an illegal memory access not yet explained (docs/benchmarks.md).
 """
 
 from __future__ import annotations
