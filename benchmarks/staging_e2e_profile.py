@@ -28,18 +28,6 @@ from pdctl.staging import bench
 from pdctl.staging.kernels import gather_all_layers_to_staging, scatter_staging_to_kv
 
 
-def timed(device: torch.device, operation: Callable[[], object], iterations: int) -> float:
-    begin = torch.cuda.Event(enable_timing=True)  # cuda-only: benchmark script
-    end = torch.cuda.Event(enable_timing=True)  # cuda-only: benchmark script
-    torch.cuda.synchronize(device)  # cuda-only: benchmark script
-    begin.record()
-    for _ in range(iterations):
-        operation()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1000 / iterations
-
-
 def host_us(device: torch.device, operation: Callable[[], object], calls: int = 200) -> float:
     samples = []
     for _ in range(calls):
@@ -135,7 +123,7 @@ def profile_shape(shape: bench.Shape, device: torch.device, trace: Path | None) 
         times = {key: [] for key in operations}
         for _ in range(7):
             for key, operation in operations.items():
-                times[key].append(timed(device, operation, iterations))
+                times[key].append(bench._timed(device, operation, iterations))
         median = {key: statistics.median(values) for key, values in times.items()}
         row[f"copy_us_{iterations}"] = median["copy"] * 1e6
         for key in ("gather", "scatter"):

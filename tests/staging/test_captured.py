@@ -107,14 +107,20 @@ def test_other_kv_lists_or_staging_or_a_failed_capture_go_the_eager_way(caplog) 
     assert good.replays == 1 and counter[0] == 4  # eager (replays run it too): other buffers
 
 
-def test_a_replay_checks_the_ids_as_the_eager_call_does() -> None:
-    calls = CapturedCalls(capture=fake_capture([]), sights=1)
+def replaying(calls: CapturedCalls, seed: int):  # type: ignore[no-untyped-def]
+    """A gather seen, captured and replayed once: (k, v, staging, pages, counter)."""
     k, v, staging = setup()
     counter = [0]
-    pages = random_pages(POOL_PAGES, COUNT, seed=5).tolist()
+    pages = random_pages(POOL_PAGES, COUNT, seed=seed).tolist()
     for _ in range(3):
         gather_via(calls, k, v, staging, pages, counter)
     assert calls.replays == 1
+    return k, v, staging, pages, counter
+
+
+def test_a_replay_checks_the_ids_as_the_eager_call_does() -> None:
+    calls = CapturedCalls(capture=fake_capture([]), sights=1)
+    k, v, staging, pages, counter = replaying(calls, seed=5)
     with pytest.raises(ValueError, match="appears more than once"):
         gather_via(calls, k, v, staging, [pages[0]] * COUNT, counter)
     with pytest.raises(ValueError, match="outside the pool"):
@@ -164,12 +170,7 @@ def test_a_dropped_shape_waits_for_its_replays_first(monkeypatch) -> None:  # ty
     monkeypatch.setattr(captured, "MAX_SHAPES", 1)
     log: list[Any] = []
     calls = CapturedCalls(capture=fake_capture(log), sights=1)
-    k, v, staging = setup()
-    counter = [0]
-    pages = random_pages(POOL_PAGES, COUNT, seed=3).tolist()
-    for _ in range(3):
-        gather_via(calls, k, v, staging, pages, counter)
-    assert calls.replays == 1
+    k, v, staging, pages, counter = replaying(calls, seed=3)
     log.clear()
     other = torch.empty_like(staging)  # another shape: the first is evicted
     gather_via(calls, k, v, other, pages, counter)
