@@ -12,7 +12,8 @@
 # engine (the engine bench alone, deterministic and vendor modes side by side), launch
 # (`pdctl up` of PD_TOPOLOGY to ready, cold then warm Triton cache), sweep
 # (staging kernel variants, device-only and end to end) and invariance (vendor vs
-# Triton products across batch sizes and TP splits). One device call runs for at
+# Triton products across batch sizes and TP splits), fault (the staging profile with
+# the upload kernel on and off, cold caches, FAULT_ROUNDS rounds). One device call runs for at
 # most 10 minutes and brings back 8 files: split the stages over calls, e.g.
 # STAGES=sweep,invariance then STAGES=tests,pd then STAGES=nightly.
 # SUITE picks the nightly suite (default gpu; gpu-1 on one GPU, gpu-4 on four), TOPOLOGIES
@@ -109,6 +110,23 @@ fi
 if has sweep; then
   timeout 300 python3 benchmarks/staging_kernel_sweep.py 2>&1 | tee "$OUT/sweep.log" \
     | tail -n 40 || status=1
+fi
+
+if has fault; then
+  # The upload kernel's unexplained fault (docs/benchmarks.md, session 14): full runs of
+  # the end-to-end staging profile, the upload kernel on and off in turn, each with cold
+  # Triton and C-library caches as on a freshly started machine; one line a run.
+  for round in $(seq "${FAULT_ROUNDS:-3}"); do
+    for upload in 1 0; do
+      log="$OUT/fault-$round-upload$upload.log"
+      TRITON_CACHE_DIR=$(mktemp -d) PDCTL_NATIVE_DIR=$(mktemp -d) \
+        PDCTL_STAGING_UPLOAD_KERNEL=$upload timeout 150 \
+        python3 benchmarks/staging_e2e_profile.py > "$log" 2>&1
+      rc=$?
+      echo "round $round upload=$upload rc=$rc shapes=$(grep -c e2e10 "$log")" \
+        "illegal=$(grep -c 'illegal memory' "$log")" | tee -a "$OUT/fault.txt"
+    done
+  done
 fi
 
 if has invariance; then
