@@ -84,6 +84,9 @@ def stream_handle(stream: Any) -> int:
     return int(stream.cuda_stream)
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def current_stream_handle(index: int) -> int:
     """The calling thread's current stream on CUDA device `index`, as a handle: read
     without making a torch stream object (which costs several microseconds a call on
@@ -91,9 +94,6 @@ def current_stream_handle(index: int) -> int:
     if _RAW_STREAM is not None:
         return int(_RAW_STREAM(index))
     return stream_handle(torch.cuda.current_stream(index))  # cuda-only: a CUDA stream
-
-
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class HeldEvent:

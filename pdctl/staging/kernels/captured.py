@@ -106,7 +106,7 @@ class CudaSlot:
     (`body`; for a gather or scatter its byte count, the same on every replay)."""
 
     def __init__(self, device: torch.device, num_ids: int, eager: Eager, pool: Any) -> None:
-        self.pinned = self.ids = torch.empty(num_ids, dtype=torch.int64, pin_memory=True)
+        self.ids = torch.empty(num_ids, dtype=torch.int64, pin_memory=True)
         self.device_ids = torch.empty(num_ids, dtype=torch.int64, device=device)
         self.device = device
         current = torch.cuda.current_device  # cuda-only: graphs are CUDA's
@@ -117,7 +117,7 @@ class CudaSlot:
         self.used = False
         self.graph = torch.cuda.CUDAGraph()  # cuda-only: graphs are CUDA's
         stream = torch.cuda.Stream(device)  # cuda-only: graphs are CUDA's
-        upload = _uploader(self.pinned, self.device_ids, stream)
+        upload = _uploader(self.ids, self.device_ids, stream)
         capturing = torch.cuda.graph(  # cuda-only: graphs are CUDA's
             self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"
         )

@@ -135,7 +135,7 @@ def check_ids(
     if out is not None:
         if out.dtype != torch.int64 or out.device.type != "cpu" or out.numel() != count:
             return None
-        if not out.is_contiguous():
+        if not out.is_contiguous():  # the C code writes `count` words from its start
             return None
         target = out.data_ptr()
     stamps = _STAMPS

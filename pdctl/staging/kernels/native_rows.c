@@ -131,8 +131,9 @@ int pdctl_threading(void) {
 #endif
 }
 
-/* Returns 0, or -1 when a thread could not start (nothing is left half done: the
- * calling thread then copies that thread's part itself). */
+/* Returns 0, or -1 when a thread of its own could not start (nothing is left half
+ * done: the calling thread then copies that thread's part itself; OpenMP's team,
+ * however small, shares out every part). */
 int pdctl_copy_rows(const int64_t *table, const int64_t *pages, uint8_t *staging,
                     int64_t num_buffers, int64_t num_tokens, int64_t page_size,
                     int64_t row_bytes, int64_t col_bytes, int64_t chunk, int to_staging,
@@ -156,17 +157,14 @@ int pdctl_copy_rows(const int64_t *table, const int64_t *pages, uint8_t *staging
     }
 #ifdef _OPENMP
     if (threads > 1) {
-        int ran = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : ran)
+#pragma omp parallel num_threads(threads)
         {
             /* the team may be smaller than asked: its members share out every part */
             int member = omp_get_thread_num(), members = omp_get_num_threads();
-            for (int k = member; k < threads; k += members) {
+            for (int k = member; k < threads; k += members)
                 copy_part(&parts[k]);
-                ran++;
-            }
         }
-        return ran == threads ? 0 : -1;
+        return 0;
     }
 #endif
     for (int k = 1; k < threads; k++)
