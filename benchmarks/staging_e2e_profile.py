@@ -11,6 +11,13 @@ For each `pdctl bench staging` shape, gather and scatter as the bench calls them
 - `device_us`: the device's time per call, from a profiler trace of 10 calls back to
   back (kernels and copies), with the idle gaps between them (`gap_us`), and the
   delay from the first event to the first device work (`lead_us`).
+
+`--stress CALLS` checks instead of timing: per shape, CALLS gathers and CALLS scatters
+replayed back to back with the page list changing on every call (three lists in
+turn), nothing synchronised in between; each call's staged bytes are kept on the
+device, then compared bitwise with an eager gather of that call's pages. A replay
+that read another call's ids, or ids not yet uploaded, shows as a mismatch (run it
+under `compute-sanitizer` to catch an access out of bounds as well).
 """
 
 from __future__ import annotations
@@ -140,14 +147,91 @@ def profile_shape(shape: bench.Shape, device: torch.device, trace: Path | None) 
     return row
 
 
+def stress_shape(shape: bench.Shape, device: torch.device, calls: int) -> list[str]:
+    """Replays with a changing page list, checked bitwise (see the module's docstring);
+    returns the mismatches found."""
+    tokens = shape.num_tokens
+    num_pages = tokens // shape.page_size
+    pool_pages = num_pages + num_pages // 4 + 1
+    pool_tokens = pool_pages * shape.page_size
+    heads = max(1, shape.num_heads // 2)
+    backend = "triton" if device.type == "cuda" else None
+    generator = torch.Generator(device=device).manual_seed(1)
+
+    def pool(num_heads: int) -> list[torch.Tensor]:
+        return [
+            torch.randn((pool_tokens, num_heads, shape.head_dim), dtype=torch.bfloat16,
+                        device=device, generator=generator)
+            for _ in range(shape.num_layers)
+        ]  # fmt: skip
+
+    pk, pv, dk, dv = pool(shape.num_heads), pool(shape.num_heads), pool(heads), pool(heads)
+    host_generator = torch.Generator().manual_seed(2)
+    lists = [
+        torch.randperm(pool_pages, generator=host_generator)[:num_pages] for _ in range(3)
+    ]
+    if device.type == "cuda":
+        lists = [pages.pin_memory() for pages in lists]  # as a scheduler keeps them
+    on_device = [pages.to(device) for pages in lists]
+    nbytes = 2 * shape.num_layers * tokens * heads * shape.head_dim * 2
+    staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    sources = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device,
+                             generator=generator) for _ in range(3)]  # fmt: skip
+
+    def gather(pages: torch.Tensor, into: torch.Tensor, k: list, v: list, first: int) -> None:
+        gather_all_layers_to_staging(
+            k, v, pages, into, src_head_start=first, num_heads=heads,
+            page_size=shape.page_size, backend=backend,
+        )  # fmt: skip
+
+    def scatter(pages: torch.Tensor) -> None:
+        scatter_staging_to_kv(
+            staging, dk, dv, pages, page_size=shape.page_size, dst_head_start=0,
+            num_heads=heads, backend=backend,
+        )  # fmt: skip
+
+    for call in range(6):  # past the graphs' capture
+        gather(lists[call % 3], staging, pk, pv, heads)
+        staging.copy_(sources[call % 3])
+        scatter(lists[call % 3])
+    gathered = [torch.empty_like(staging) for _ in range(calls)]
+    landed = [torch.empty_like(staging) for _ in range(calls)]
+    for call in range(calls):
+        gather(lists[call % 3], staging, pk, pv, heads)  # replayed
+        gathered[call].copy_(staging)
+        staging.copy_(sources[call % 3])
+        scatter(lists[call % 3])  # replayed
+        gather(on_device[call % 3], landed[call], dk, dv, 0)  # eager: what landed
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # cuda-only: benchmark script
+    problems = []
+    for call in range(calls):
+        expected = torch.empty_like(staging)
+        gather(on_device[call % 3], expected, pk, pv, heads)
+        if not torch.equal(gathered[call], expected):
+            problems.append(f"{shape.label}: gather call {call} staged other bytes")
+        if not torch.equal(landed[call], sources[call % 3]):
+            problems.append(f"{shape.label}: scatter call {call} landed other bytes")
+    return problems
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", default=None)
     parser.add_argument("--trace", default=None)
     parser.add_argument("--shapes", default="0,1,2,3")
+    parser.add_argument("--stress", type=int, default=0, help="check CALLS replays instead")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.stress:
+        found = []
+        for index in (int(i) for i in args.shapes.split(",")):
+            problems = stress_shape(bench.SHAPES[index], device, args.stress)
+            print(f"{bench.SHAPES[index].label}: {len(problems)} mismatches", flush=True)
+            found += problems
+        print("\n".join(found) or "stress: every replay staged and landed the right bytes")
+        raise SystemExit(1 if found else 0)
     trace = Path(args.trace) if args.trace else None
     rows = []
     for index in (int(i) for i in args.shapes.split(",")):

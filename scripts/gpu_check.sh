@@ -13,7 +13,8 @@
 # (`pdctl up` of PD_TOPOLOGY to ready, cold then warm Triton cache), sweep
 # (staging kernel variants, device-only and end to end) and invariance (vendor vs
 # Triton products across batch sizes and TP splits), fault (the staging profile with
-# the upload kernel on and off, cold caches, FAULT_ROUNDS rounds). One device call runs for at
+# the upload kernel on and off, cold caches, FAULT_ROUNDS rounds; then replays with a
+# changing page list checked bitwise, under compute-sanitizer's memcheck where present). One device call runs for at
 # most 10 minutes and brings back 8 files: split the stages over calls, e.g.
 # STAGES=sweep,invariance then STAGES=tests,pd then STAGES=nightly.
 # SUITE picks the nightly suite (default gpu; gpu-1 on one GPU, gpu-4 on four), TOPOLOGIES
@@ -127,6 +128,16 @@ if has fault; then
         "illegal=$(grep -c 'illegal memory' "$log")" | tee -a "$OUT/fault.txt"
     done
   done
+  for upload in 1 0; do
+    PDCTL_STAGING_UPLOAD_KERNEL=$upload timeout 120 python3 benchmarks/staging_e2e_profile.py \
+      --stress 12 > "$OUT/stress-upload$upload.log" 2>&1 || status=1
+    tail -n 1 "$OUT/stress-upload$upload.log" | tee -a "$OUT/fault.txt"
+  done
+  if command -v compute-sanitizer >/dev/null; then
+    timeout 280 compute-sanitizer --tool memcheck --print-limit 20 \
+      python3 benchmarks/staging_e2e_profile.py --stress 3 > "$OUT/memcheck.log" 2>&1 || status=1
+    grep 'ERROR SUMMARY' "$OUT/memcheck.log" | tee -a "$OUT/fault.txt"
+  fi
 fi
 
 if has invariance; then

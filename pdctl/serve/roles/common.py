@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import gc
 import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI
 
 from pdctl.serve import tp as tensor_parallel
@@ -21,10 +18,14 @@ from pdctl.serve.engine.kv_pool import ReqToToken
 from pdctl.serve.engine.loop import Engine, PDHooks
 from pdctl.serve.engine.radix import RadixCache
 from pdctl.serve.engine.scheduler import Budget, Scheduler
+from pdctl.serve.http import STOPPING, run_servers
 from pdctl.serve.model import ops
 from pdctl.serve.runtime import Rank, rank_forward, stop_ranks
 
 log = logging.getLogger("pdctl.serve")
+# How long a rank's end waits for the stop signal before it counts as a death: the ranks
+# of one group get the signal together and a child may be reaped before rank 0 handles it.
+STOP_RACE_S = 1.0
 # Freeze what start-up allocated before serving (PDCTL_GC_FREEZE=1): the garbage
 # collector's full passes then skip the model's and torch's objects.
 GC_FREEZE = os.environ.get("PDCTL_GC_FREEZE", "0") == "1"
@@ -67,62 +68,6 @@ def graphs_info(rank: Rank) -> dict[str, Any]:
     if rank.model is None:
         return {"enabled": False, "reason": "no language model on this rank"}
     return rank.model.graphs.describe()
-
-
-GRACE_S = 2
-
-
-# An idle HTTP connection stays open this long; the router's pooled client lets its
-# own go sooner (router/app.py CLIENT_KEEP_ALIVE_S). With both at 5 s, as uvicorn's and
-# httpx's defaults are, the router could reuse a connection a server was closing that
-# instant: "connection reset by peer" (one request of 10,000 in the nixl soak at 64).
-KEEP_ALIVE_S = 30
-
-
-# Set once this server was told to stop (SIGTERM / SIGINT): ranks ending after it are
-# the stop itself (a launcher signals the whole process group), not a death.
-STOPPING = threading.Event()
-# How long a rank's end waits for that signal before it counts as a death: the ranks of
-# one group get the signal together and a child may be reaped before rank 0 handles it.
-STOP_RACE_S = 1.0
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:  # signals are handled once for all servers
-        yield
-
-
-def run_servers(apps: list[tuple[FastAPI, str, int]]) -> None:
-    """Serve every app until SIGTERM or SIGINT, in one event loop.
-
-    Requests still waiting (a KV transfer, a long generation) get GRACE_S to finish;
-    a second signal ends the servers at once.
-    """
-    servers = [
-        _Server(
-            uvicorn.Config(
-                app, host=host, port=port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=GRACE_S, timeout_keep_alive=KEEP_ALIVE_S,
-            )
-        )
-        for app, host, port in apps
-    ]  # fmt: skip
-
-    def stop(*_: object) -> None:
-        STOPPING.set()
-        for server in servers:
-            if server.should_exit:
-                server.force_exit = True
-            server.should_exit = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-
-    async def main() -> None:
-        await asyncio.gather(*(server.serve() for server in servers))
-
-    asyncio.run(main())
 
 
 def serve(

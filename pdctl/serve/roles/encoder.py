@@ -33,11 +33,12 @@ from pdctl.serve.api.errors import error_body
 from pdctl.serve.api.guards import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
 from pdctl.serve.api.schemas import GenerateBody
 from pdctl.serve.faults import faults
+from pdctl.serve.http import run_servers
 from pdctl.serve.model.encoder import EncoderModel
 from pdctl.serve.multimodal import PromptError, digest_of, encode_prompt, images_of
 from pdctl.serve.pd.client import Client, PeerCallError, warn_if_no_secret
 from pdctl.serve.pd.endpoint import make_transport
-from pdctl.serve.roles.common import run_servers, server_info
+from pdctl.serve.roles.common import server_info
 from pdctl.serve.runtime import DTYPES, Rank, stop_ranks
 from pdctl.serve.runtime import run_worker as run_tp_worker
 from pdctl.serve.tp import float_bits, from_float_bits

@@ -21,8 +21,7 @@ __all__ = ["RouterState", "Worker", "create_router_app", "run"]
 
 
 def run(args: ServerArgs) -> None:
-    from pdctl.serve.roles.common import run_servers
-    from pdctl.serve.runtime import set_identity
+    from pdctl.serve.http import run_servers, set_identity
 
     set_identity(args)
     if not args.prefill or not args.decode:

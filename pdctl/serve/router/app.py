@@ -32,7 +32,7 @@ from pdctl.serve.router.forward import (
 )
 from pdctl.serve.router.workers import RouterState, check_health
 
-CLIENT_KEEP_ALIVE_S = 10  # under the servers' 30 s (roles/common.py KEEP_ALIVE_S)
+CLIENT_KEEP_ALIVE_S = 10  # under the servers' 30 s (serve/http.py KEEP_ALIVE_S)
 
 FORWARDED = ("/generate", "/v1/completions", "/v1/chat/completions")
 

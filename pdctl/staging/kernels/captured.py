@@ -7,9 +7,9 @@ upload, the kernel's launch), as long as the device takes to copy a hundred
 megabytes; where the host is slow, that work, not the copy, sets the rate. A call
 that comes back the same (the same KV lists, the same staging memory, as many page
 ids, the same page size, heads and backend) is captured, on its SIGHTS-th sight, as
-a graph of two nodes: the ids' upload from a pinned slot (a copy, or with
-PDCTL_STAGING_UPLOAD_KERNEL=1 a kernel reading the host memory, `kernels.upload`: no
-hand-over to the copy engine and back), then the kernels. A shape dropped (the least
+a graph of two nodes: the ids' upload from a pinned slot (a kernel reading the host
+memory, `kernels.upload`: no hand-over to the copy engine and back; a copy with
+PDCTL_STAGING_UPLOAD_KERNEL=0 or where the kernel cannot run), then the kernels. A shape dropped (the least
 recently used, or its key named other tensors) first waits for its replays.
 A replay reads the ids the host wrote to the slot just before.
 
@@ -47,10 +47,11 @@ SIGHTS = 3  # eager calls of a shape before the next one captures it
 SLOTS = 4  # graphs per shape, replayed in turn
 MAX_SHAPES = 32  # per thread; the least recently used shape is dropped
 ENABLED = os.environ.get("PDCTL_STAGING_GRAPHS", "1") != "0"
-# The ids' upload inside a graph: a copy node (default), or with 1 the upload kernel
-# (`kernels.upload`, 5-9 us less a replay on an H200). Opt-in until two illegal-address
-# faults seen with it on (docs/benchmarks.md, session 14) are explained.
-UPLOAD_KERNEL = os.environ.get("PDCTL_STAGING_UPLOAD_KERNEL", "0") == "1"
+# The ids' upload inside a graph: the upload kernel (`kernels.upload`, 5-9 us less a
+# replay on an H200), or with 0 a copy node. Two faults seen with the kernel in session
+# 14 did not recur in session 15 (fresh machines, cold caches, replays checked bitwise
+# with changing ids, compute-sanitizer's memcheck clean; docs/benchmarks.md).
+UPLOAD_KERNEL = os.environ.get("PDCTL_STAGING_UPLOAD_KERNEL", "1") != "0"
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)

@@ -11,9 +11,12 @@ unified addressing) the upload stays on the compute engine: 65.2 us for both
 the staging kernel then reads the device copy (a staging kernel reading the pinned
 ids itself would fetch each one once per buffer).
 
-Opt-in (PDCTL_STAGING_UPLOAD_KERNEL=1, `captured.UPLOAD_KERNEL`): two runs of
-`benchmarks/staging_e2e_profile.py` with it on, each the first on a freshly started
-H200, faulted with an illegal memory access not yet explained (docs/benchmarks.md).
+The default (`captured.UPLOAD_KERNEL`; PDCTL_STAGING_UPLOAD_KERNEL=0 takes the copy
+node). Two runs in session 14 faulted with an illegal memory access that was never
+attributed. In session 15 it did not recur: four runs on a freshly started H200 with
+cold caches, kernel on and off; replays with the page list changing on every call,
+checked bitwise (`benchmarks/staging_e2e_profile.py --stress`); and compute-sanitizer's
+memcheck over those replays: 0 errors (docs/benchmarks.md).
 """
 
 from __future__ import annotations
