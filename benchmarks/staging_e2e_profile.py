@@ -167,9 +167,7 @@ def stress_shape(shape: bench.Shape, device: torch.device, calls: int) -> list[s
 
     pk, pv, dk, dv = pool(shape.num_heads), pool(shape.num_heads), pool(heads), pool(heads)
     host_generator = torch.Generator().manual_seed(2)
-    lists = [
-        torch.randperm(pool_pages, generator=host_generator)[:num_pages] for _ in range(3)
-    ]
+    lists = [torch.randperm(pool_pages, generator=host_generator)[:num_pages] for _ in range(3)]
     if device.type == "cuda":
         lists = [pages.pin_memory() for pages in lists]  # as a scheduler keeps them
     on_device = [pages.to(device) for pages in lists]

@@ -33,6 +33,7 @@ from pdctl.serve.model.weights import (
     preset_config,
     preset_source,
 )
+from pdctl.serve.runtime import retain_host_memory
 from pdctl.serve.tokenizer import ByteTokenizer
 
 DTYPES = {"cpu": torch.float32}
@@ -116,6 +117,8 @@ def main() -> None:
     if not modes or set(modes) - {"deterministic", "vendor"}:
         parser.error(f"--modes takes deterministic and/or vendor, got {args.modes!r}")
     device = torch.device(args.device if args.device == "cpu" else f"{args.device}:0")
+    if device.type == "cpu":
+        retain_host_memory()  # as the servers do
     dtype = DTYPES.get(device.type, torch.bfloat16)
     config = preset_config(args.preset)
     weights = build_rank_weights(config, preset_source(0, device), 1, 0, dtype, device)

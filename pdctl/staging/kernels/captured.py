@@ -9,8 +9,9 @@ that comes back the same (the same KV lists, the same staging memory, as many pa
 ids, the same page size, heads and backend) is captured, on its SIGHTS-th sight, as
 a graph of two nodes: the ids' upload from a pinned slot (a kernel reading the host
 memory, `kernels.upload`: no hand-over to the copy engine and back; a copy with
-PDCTL_STAGING_UPLOAD_KERNEL=0 or where the kernel cannot run), then the kernels. A shape dropped (the least
-recently used, or its key named other tensors) first waits for its replays.
+PDCTL_STAGING_UPLOAD_KERNEL=0 or where the kernel cannot run), then the kernels. A
+shape dropped (the least recently used, or its key named other tensors) first waits
+for its replays.
 A replay reads the ids the host wrote to the slot just before.
 
 Each call shape keeps a ring of SLOTS graphs, each with its own pinned ids and
