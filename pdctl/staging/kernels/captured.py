@@ -7,11 +7,10 @@ upload, the kernel's launch), as long as the device takes to copy a hundred
 megabytes; where the host is slow, that work, not the copy, sets the rate. A call
 that comes back the same (the same KV lists, the same staging memory, as many page
 ids, the same page size, heads and backend) is captured, on its SIGHTS-th sight, as
-a graph of two nodes: the ids' upload from a pinned slot (a kernel reading the host
-memory, `kernels.upload`: no hand-over to the copy engine and back; a copy with
-PDCTL_STAGING_UPLOAD_KERNEL=0 or where the kernel cannot run), then the kernels. A
-shape dropped (the least recently used, or its key named other tensors) first waits
-for its replays.
+a graph of two nodes: the ids' upload from a pinned slot (a copy, or with
+PDCTL_STAGING_UPLOAD_KERNEL=1 a kernel reading the host memory, `kernels.upload`: no
+hand-over to the copy engine and back), then the kernels. A shape dropped (the least
+recently used, or its key named other tensors) first waits for its replays.
 A replay reads the ids the host wrote to the slot just before.
 
 Each call shape keeps a ring of SLOTS graphs, each with its own pinned ids and
@@ -48,11 +47,11 @@ SIGHTS = 3  # eager calls of a shape before the next one captures it
 SLOTS = 4  # graphs per shape, replayed in turn
 MAX_SHAPES = 32  # per thread; the least recently used shape is dropped
 ENABLED = os.environ.get("PDCTL_STAGING_GRAPHS", "1") != "0"
-# The ids' upload inside a graph: the upload kernel (`kernels.upload`, 5-9 us less a
-# replay on an H200), or with 0 a copy node. Two faults seen with the kernel in session
-# 14 did not recur in session 15 (fresh machines, cold caches, replays checked bitwise
-# with changing ids, compute-sanitizer's memcheck clean; docs/benchmarks.md).
-UPLOAD_KERNEL = os.environ.get("PDCTL_STAGING_UPLOAD_KERNEL", "1") != "0"
+# The ids' upload inside a graph: a copy node (default), or with 1 the upload kernel
+# (`kernels.upload`, 5-9 us less a replay on an H200). Opt-in: four runs with it on have
+# faulted with an illegal address, none with the copy node; a likely cause is mended in
+# `_uploader`, not yet proven (docs/benchmarks.md, sessions 14 and 15).
+UPLOAD_KERNEL = os.environ.get("PDCTL_STAGING_UPLOAD_KERNEL", "0") == "1"
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -119,7 +118,7 @@ class CudaSlot:
         self.used = False
         self.graph = torch.cuda.CUDAGraph()  # cuda-only: graphs are CUDA's
         stream = torch.cuda.Stream(device)  # cuda-only: graphs are CUDA's
-        upload = _uploader(self.ids, self.device_ids, stream)
+        upload = _uploader(self.ids, self.device_ids)
         capturing = torch.cuda.graph(  # cuda-only: graphs are CUDA's
             self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"
         )
@@ -152,17 +151,23 @@ class CudaSlot:
             self.done.synchronize()
 
 
-def _uploader(pinned: torch.Tensor, target: torch.Tensor, stream: Any) -> Callable[[], object]:
+def _uploader(pinned: torch.Tensor, target: torch.Tensor) -> Callable[[], object]:
     """What brings a slot's ids to the device inside its graph: the upload kernel
-    (`kernels.upload`, compiled and run once here on `stream`, before the capture), or
-    a copy where it cannot run."""
+    (`kernels.upload`, compiled and run once here before the capture), or a copy where
+    it cannot run.
+
+    The run before the capture is on the caller's stream, behind the eager call that may
+    still be running there: `target` was just allocated on that stream, possibly in
+    memory the eager call's temporaries freed while its kernels still read them. Run on
+    a side stream (until session 15) it could overwrite them under the running call,
+    which would then read garbage ids: the likely cause of the illegal-address faults
+    seen with the kernel on (docs/benchmarks.md, session 15)."""
     if not UPLOAD_KERNEL:
         return lambda: target.copy_(pinned, non_blocking=True)
     try:
         from pdctl.staging.kernels.upload import upload
 
-        with torch.cuda.stream(stream):  # cuda-only: graphs are CUDA's
-            upload(pinned, target)
+        upload(pinned, target)
         return lambda: upload(pinned, target)
     except Exception as exc:  # no Triton, or a device it cannot read host memory from
         log.info("staging: a captured call uploads its ids by a copy (%s)", exc)

@@ -11,12 +11,13 @@ unified addressing) the upload stays on the compute engine: 65.2 us for both
 the staging kernel then reads the device copy (a staging kernel reading the pinned
 ids itself would fetch each one once per buffer).
 
-The default (`captured.UPLOAD_KERNEL`; PDCTL_STAGING_UPLOAD_KERNEL=0 takes the copy
-node). Two runs in session 14 faulted with an illegal memory access that was never
-attributed. In session 15 it did not recur: four runs on a freshly started H200 with
-cold caches, kernel on and off; replays with the page list changing on every call,
-checked bitwise (`benchmarks/staging_e2e_profile.py --stress`); and compute-sanitizer's
-memcheck over those replays: 0 errors (docs/benchmarks.md).
+Opt-in (PDCTL_STAGING_UPLOAD_KERNEL=1, `captured.UPLOAD_KERNEL`). Four runs with it on
+have faulted with an illegal memory access: two in session 14, and two of nine
+`pdctl bench staging` runs in session 15 (surfacing at a shape's capture). Memcheck
+finds nothing (the fault depends on timing). A likely cause is mended
+(`captured._uploader`: the compile run before a capture wrote a slot's fresh device
+ids on a side stream, under the eager call still running); not yet proven
+(docs/benchmarks.md, session 15).
 """
 
 from __future__ import annotations
