@@ -7,10 +7,11 @@ upload, the kernel's launch), as long as the device takes to copy a hundred
 megabytes; where the host is slow, that work, not the copy, sets the rate. A call
 that comes back the same (the same KV lists, the same staging memory, as many page
 ids, the same page size, heads and backend) is captured, on its SIGHTS-th sight, as
-a graph of two nodes: the ids' upload from a pinned slot (a copy, or with
-PDCTL_STAGING_UPLOAD_KERNEL=1 a kernel reading the host memory, `kernels.upload`: no
-hand-over to the copy engine and back), then the kernels. A shape dropped (the least
-recently used, or its key named other tensors) first waits for its replays.
+a graph of two nodes: the ids' upload from a pinned slot (a kernel reading the host
+memory, `kernels.upload`: no hand-over to the copy engine and back; a copy with
+PDCTL_STAGING_UPLOAD_KERNEL=0 or where the kernel cannot run), then the kernels. A
+shape dropped (the least recently used, or its key named other tensors) first waits
+for its replays.
 A replay reads the ids the host wrote to the slot just before.
 
 Each call shape keeps a ring of SLOTS graphs, each with its own pinned ids and
@@ -47,11 +48,11 @@ SIGHTS = 3  # eager calls of a shape before the next one captures it
 SLOTS = 4  # graphs per shape, replayed in turn
 MAX_SHAPES = 32  # per thread; the least recently used shape is dropped
 ENABLED = os.environ.get("PDCTL_STAGING_GRAPHS", "1") != "0"
-# The ids' upload inside a graph: a copy node (default), or with 1 the upload kernel
-# (`kernels.upload`, 5-9 us less a replay on an H200). Opt-in: four runs with it on have
-# faulted with an illegal address, none with the copy node; a likely cause is mended in
-# `_uploader`, not yet proven (docs/benchmarks.md, sessions 14 and 15).
-UPLOAD_KERNEL = os.environ.get("PDCTL_STAGING_UPLOAD_KERNEL", "0") == "1"
+# The ids' upload inside a graph: the upload kernel (`kernels.upload`, 5-9 us less a
+# replay on an H200), or with 0 a copy node. It faulted in 2 of 9 staging bench runs
+# while its compile run could race the eager call (`_uploader`); 0 of 20 since
+# (docs/benchmarks.md, session 15).
+UPLOAD_KERNEL = os.environ.get("PDCTL_STAGING_UPLOAD_KERNEL", "1") != "0"
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -160,8 +161,8 @@ def _uploader(pinned: torch.Tensor, target: torch.Tensor) -> Callable[[], object
     still be running there: `target` was just allocated on that stream, possibly in
     memory the eager call's temporaries freed while its kernels still read them. Run on
     a side stream (until session 15) it could overwrite them under the running call,
-    which would then read garbage ids: the likely cause of the illegal-address faults
-    seen with the kernel on (docs/benchmarks.md, session 15)."""
+    which would then read garbage ids: the illegal-address faults seen in 2 of 9 staging
+    bench runs with the kernel on, and none in 20 since (docs/benchmarks.md, session 15)."""
     if not UPLOAD_KERNEL:
         return lambda: target.copy_(pinned, non_blocking=True)
     try:

@@ -11,13 +11,12 @@ unified addressing) the upload stays on the compute engine: 65.2 us for both
 the staging kernel then reads the device copy (a staging kernel reading the pinned
 ids itself would fetch each one once per buffer).
 
-Opt-in (PDCTL_STAGING_UPLOAD_KERNEL=1, `captured.UPLOAD_KERNEL`). Four runs with it on
-have faulted with an illegal memory access: two in session 14, and two of nine
-`pdctl bench staging` runs in session 15 (surfacing at a shape's capture). Memcheck
-finds nothing (the fault depends on timing). A likely cause is mended
-(`captured._uploader`: the compile run before a capture wrote a slot's fresh device
-ids on a side stream, under the eager call still running); not yet proven
-(docs/benchmarks.md, session 15).
+The default (`captured.UPLOAD_KERNEL`; PDCTL_STAGING_UPLOAD_KERNEL=0 takes a copy node).
+It faulted with an illegal memory access in two profile runs of session 14 and in 2 of
+9 `pdctl bench staging` runs of session 15: its compile run before a capture wrote a
+slot's fresh device ids on a side stream, under the eager call still running
+(`captured._uploader`, now on the caller's stream). Since: 0 faults in 20 bench runs,
+memcheck clean (docs/benchmarks.md, session 15).
 """
 
 from __future__ import annotations
