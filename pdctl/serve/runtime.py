@@ -265,8 +265,8 @@ def _no_forward(pieces: object) -> None:
 
 def stop_ranks(rank: Rank) -> None:
     if rank.group is not None:
-        with contextlib.suppress(RuntimeError):
-            rank.group.send(Op.STOP)
+        with contextlib.suppress(RuntimeError):  # a rank that died hears nothing
+            rank.group.send(Op.STOP, last=True)
     for child in rank.children:
         try:
             child.wait(timeout=10)

@@ -92,6 +92,39 @@ class SharedGather:
         gathered = torch.cat(parts).view(local.dtype)  # a copy: the slots are reused
         return gathered.view(self.world * local.shape[0], *local.shape[1:])
 
+    def broadcast(self, message: torch.Tensor | None, last: bool = False) -> torch.Tensor | None:
+        """Rank 0's int64 `message` on every rank (the others pass None): one call of
+        the same sequence as `gather`, in the same order on every rank. Rank 0 writes
+        its slot and returns once every rank read it (so the slot parity rule holds);
+        the others wait for it without a deadline (a worker idles here between steps;
+        it dies with rank 0). None on every rank where the message does not fit a
+        slot: the caller sends it another way. `last`: rank 0 sends nothing after it (a
+        stop), so it returns without waiting for the others, who may be gone."""
+        self._count += 1
+        sequence = self._count
+        parity = sequence % 2
+        size = self._slot(parity, 0, 8).view(torch.int64)  # [1]: the message's int64s
+        if self.rank == 0:
+            assert message is not None
+            words = message.to(torch.int64).contiguous().view(-1)
+            fits = (words.numel() + 1) * 8 <= SLOT_BYTES
+            size[0] = words.numel() if fits else -1
+            if fits:
+                self._slot(parity, 0, 8 + words.numel() * 8)[8:].copy_(words.view(torch.uint8))
+            self._words[0].value = sequence  # after the bytes (stores stay in order)
+            self._wake(0)
+            for other in range(1, self.world if not last else 1):
+                self._wait(other, sequence)
+            return words if fits else None
+        self._wait(0, sequence, limit_s=float("inf"))
+        count = int(size[0])
+        received = None
+        if count >= 0:
+            received = self._slot(parity, 0, 8 + count * 8)[8:].view(torch.int64).clone()
+        self._words[self.rank].value = sequence  # read: rank 0 may go on
+        self._wake(self.rank)
+        return received
+
     def _slot(self, parity: int, rank: int, nbytes: int) -> torch.Tensor:
         start = self.world * HEADER_STRIDE + (parity * self.world + rank) * SLOT_BYTES
         return self._bytes[start : start + nbytes]
@@ -99,20 +132,23 @@ class SharedGather:
     def _wake(self, rank: int) -> None:
         futex.wake(ctypes.addressof(self._words[rank]))
 
-    def _wait(self, rank: int, sequence: int) -> None:
+    def _wait(self, rank: int, sequence: int, limit_s: float | None = None) -> None:
+        """Until `rank` published `sequence`; past `limit_s` (default timeout_s) a
+        TimeoutError naming it."""
         word = self._words[rank]
         spin_until = time.perf_counter() + SPIN_S
         while word.value < sequence and time.perf_counter() < spin_until:
             pass
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        limit = start + (self.timeout_s if limit_s is None else limit_s)
         address = ctypes.addressof(word)
         while True:
             seen = word.value
             if seen >= sequence:
                 return
-            if time.monotonic() > deadline:
+            if time.monotonic() > limit:
                 raise TimeoutError(
-                    f"TP rank {rank} did not reach gather {sequence} within {self.timeout_s:g} s "
+                    f"TP rank {rank} did not reach gather {sequence} within {limit - start:g} s "
                     f"(it is at {seen})"
                 )
             futex.wait(address, seen, 0.2)  # re-checks at least every 0.2 s

@@ -1,8 +1,11 @@
-"""The shared-memory TP gather between real processes: gloo's bytes, in rank order.
+"""The shared-memory TP gather and step broadcast between real processes: gloo's
+bytes, in rank order.
 
 Two processes gather a few hundred tensors of changing shapes and dtypes (both slot
-parities many times over); each checks every result bit for bit against the values
-it knows the other rank sent. A rank that never arrives is a timeout naming it.
+parities many times over), with rank 0's broadcasts of changing lengths in between
+(some too large for a slot: None on both ranks); each checks every result bit for bit
+against what it knows the other rank sent. A rank that never arrives is a timeout
+naming it.
 """
 
 from __future__ import annotations
@@ -27,10 +30,23 @@ def _payload(rank: int, step: int) -> torch.Tensor:
     return values.to(torch.bfloat16) if step % 3 == 0 else values
 
 
+def _message(step: int) -> torch.Tensor:
+    """Rank 0's broadcast at `step`: a step's int64s, every fifth one too large for a slot."""
+    count = tp_shm.SLOT_BYTES // 8 if step % 5 == 0 else 1 + step % 40
+    return torch.arange(count, dtype=torch.int64) * 7 + step
+
+
 def _rank(path: str, rank: int, world: int, results: mp.Queue) -> None:
     shared = tp_shm.SharedGather(path, rank, world, timeout_s=30)
     try:
         for step in range(ROUNDS):
+            if step % 3 != 2:  # a broadcast between gathers, as a step's announcement is
+                message = _message(step)
+                heard = shared.broadcast(message if rank == 0 else None)
+                fits = (message.numel() + 1) * 8 <= tp_shm.SLOT_BYTES
+                if (heard is not None) != fits or (fits and not torch.equal(heard, message)):
+                    results.put((rank, f"step {step}: the broadcast came out wrong"))
+                    return
             got = shared.gather(_payload(rank, step))
             want = torch.cat([_payload(r, step) for r in range(world)])
             same = got.dtype == want.dtype and torch.equal(
@@ -64,13 +80,18 @@ def test_two_processes_gather_each_others_bytes_in_rank_order() -> None:
     assert not os.path.exists(path)
 
 
-def test_a_rank_that_never_arrives_is_a_timeout_naming_it() -> None:
+@pytest.mark.parametrize("operation", ["gather", "broadcast"])
+def test_a_rank_that_never_arrives_is_a_timeout_naming_it(operation: str) -> None:
     path = f"/dev/shm/pdctl-test-{uuid.uuid4().hex}"
     tp_shm.SharedGather.create(path, 2)
     try:
         alone = tp_shm.SharedGather(path, 0, 2, timeout_s=0.5)
+        call = getattr(alone, operation)
         with pytest.raises(TimeoutError, match=r"TP rank 1 did not reach gather 1 within 0\.5 s"):
-            alone.gather(torch.ones(4))
+            call(torch.ones(4, dtype=torch.int64))
+        if operation == "broadcast":  # the last message (a stop) waits for no reader
+            stop = torch.tensor([2], dtype=torch.int64)
+            assert torch.equal(alone.broadcast(stop, last=True), stop)
         alone.close()  # rank 0 unlinks the file
         assert not os.path.exists(path)
     finally:
