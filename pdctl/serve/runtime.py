@@ -244,8 +244,8 @@ def rank_forward(rank: Rank):  # type: ignore[no-untyped-def]
         return rank.graphs.forward
 
     def forward(pieces):  # type: ignore[no-untyped-def]
-        group.send(Op.FORWARD, tensor_parallel.encode_pieces(pieces))
-        return rank.runner.forward(pieces)
+        payload = tensor_parallel.encode_pieces(pieces)
+        return group.forward(payload, lambda: rank.runner.forward(pieces))
 
     return forward
 

@@ -23,6 +23,7 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from pdctl.serve.model.batch import Piece
 from pdctl.serve.ranks import RankProcess
 from pdctl.serve.tp_ops import Op
 
+T = TypeVar("T")
 log = logging.getLogger("pdctl.serve")
 Handler = Callable[[torch.Tensor], None]
 
@@ -68,6 +70,10 @@ class TPGroup:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         self.shared = _shared_gather(store, rank, world, timeout_s) if backend == "gloo" else None
         self.handlers: dict[int, Handler] = {}
+        # rank 0's sends: one at a time, none between a forward's gathers (`send`)
+        self._sending = threading.Lock()
+        self._in_forward = False
+        self._queued: list[torch.Tensor] = []
         # A second group, on host memory, for messages off the step protocol: rank 0
         # publishes from one thread, the others listen on one (see `publish`/`listen`).
         self.control = dist.new_group(backend="gloo", timeout=timeout)
@@ -87,13 +93,39 @@ class TPGroup:
         shared file where there is one (a futex wake, against about 0.9 ms for each
         of gloo's two broadcasts on a 2-core machine), else by gloo. `last`: nothing
         follows (the stop): the shared file's send does not wait for the ranks to read
-        it (a rank may have died, or be ending on the same signal)."""
-        body = torch.empty(0, dtype=torch.int64) if payload is None else payload
-        message = torch.cat([torch.tensor([op], dtype=torch.int64), body.to(torch.int64).view(-1)])
+        it (a rank may have died, or be ending on the same signal).
+
+        The shared file carries the forwards' gathers too, so a message must not land
+        between two of them: one sent from another thread while a forward runs
+        (`forward`) goes out right after that forward, where the other ranks would read
+        it anyway (they take messages only between forwards)."""
+        message = _message(op, payload)
+        with self._sending:
+            if self._in_forward:
+                self._queued.append(message)
+                return
+            self._announce(message, last)
+
+    def forward(self, payload: torch.Tensor, run: Callable[[], T]) -> T:
+        """Rank 0: announce a FORWARD with `payload`, run it (`run`: this rank's part,
+        gathers included), then send what other threads sent meanwhile."""
+        with self._sending:
+            self._announce(_message(Op.FORWARD, payload), False)
+            self._in_forward = True
+        try:
+            return run()
+        finally:
+            with self._sending:
+                self._in_forward = False
+                queued, self._queued = self._queued, []
+                for message in queued:
+                    self._announce(message, False)
+
+    def _announce(self, message: torch.Tensor, last: bool) -> None:
         if self.shared is not None and self.shared.broadcast(message, last) is not None:
             return
         size = message.numel() - 1
-        dist.broadcast(torch.tensor([op, size, 0, 0], dtype=torch.int64), src=0)
+        dist.broadcast(torch.tensor([int(message[0]), size, 0, 0], dtype=torch.int64), src=0)
         if size:
             dist.broadcast(message[1:].contiguous(), src=0)
 
@@ -159,6 +191,12 @@ def _shared_gather(
     if rank == 0:
         tp_shm.unlink(path)
     return shared
+
+
+def _message(op: int, payload: torch.Tensor | None) -> torch.Tensor:
+    """An operation as one int64 tensor: op | payload."""
+    body = torch.empty(0, dtype=torch.int64) if payload is None else payload
+    return torch.cat([torch.tensor([op], dtype=torch.int64), body.to(torch.int64).view(-1)])
 
 
 def float_bits(values: torch.Tensor) -> torch.Tensor:

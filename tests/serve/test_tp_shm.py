@@ -111,3 +111,65 @@ def test_large_payloads_are_left_to_the_collective() -> None:
         shared.close()
     finally:
         tp_shm.unlink(path)
+
+
+def _group_rank(rank: int, port: int, results: mp.Queue) -> None:
+    """A two-rank TPGroup (gloo, shared file). Rank 0's forward has another thread send
+    an ABORT in the middle of its gathers; rank 1 must see the forward, the gathers
+    intact, then the ABORT, then the STOP."""
+    import threading
+
+    from pdctl.serve.tp import TPGroup
+    from pdctl.serve.tp_ops import Op
+
+    torch.set_num_threads(1)
+    group = TPGroup(rank, 2, "127.0.0.1", port, "gloo", 30)
+    try:
+        assert group.shared is not None
+        if rank == 0:
+
+            def run() -> list[torch.Tensor]:
+                gathered = [group.gather(_payload(0, 0))]
+                sender = threading.Thread(target=group.send, args=(Op.ABORT, torch.arange(5)))
+                sender.start()
+                sender.join(timeout=10)  # queued behind this forward, not sent in its middle
+                gathered += [group.gather(_payload(0, step)) for step in (1, 2)]
+                return gathered
+
+            got = group.forward(torch.arange(3), run)
+            group.send(Op.STOP, last=True)
+        else:
+            op, payload = group.receive()
+            assert op == Op.FORWARD and payload.tolist() == [0, 1, 2], (op, payload)
+            got = [group.gather(_payload(1, step)) for step in (0, 1, 2)]
+            op, payload = group.receive()
+            assert op == Op.ABORT and payload.tolist() == [0, 1, 2, 3, 4], (op, payload)
+            op, _ = group.receive()
+            assert op == Op.STOP, op
+        for step, tensor in enumerate(got):
+            want = torch.cat([_payload(r, step) for r in range(2)])
+            assert torch.equal(tensor.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+        results.put((rank, "ok"))
+    except BaseException as exc:
+        results.put((rank, repr(exc)))
+    finally:
+        group.close()
+
+
+def test_a_message_sent_during_a_forward_goes_out_after_its_gathers() -> None:
+    from tests.serve.conftest import free_port
+
+    context = mp.get_context("spawn")
+    results: mp.Queue = context.Queue()
+    port = free_port()
+    workers = [context.Process(target=_group_rank, args=(r, port, results)) for r in range(2)]
+    try:
+        for worker in workers:
+            worker.start()
+        outcome = dict(results.get(timeout=120) for _ in workers)
+        assert outcome == {0: "ok", 1: "ok"}
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
