@@ -73,7 +73,7 @@ class TPGroup:
         # rank 0's sends: one at a time, none between a forward's gathers (`send`)
         self._sending = threading.Lock()
         self._in_forward = False
-        self._queued: list[torch.Tensor] = []
+        self._queued: list[tuple[torch.Tensor, bool]] = []  # (message, last)
         # A second group, on host memory, for messages off the step protocol: rank 0
         # publishes from one thread, the others listen on one (see `publish`/`listen`).
         self.control = dist.new_group(backend="gloo", timeout=timeout)
@@ -102,7 +102,7 @@ class TPGroup:
         message = _message(op, payload)
         with self._sending:
             if self._in_forward:
-                self._queued.append(message)
+                self._queued.append((message, last))
                 return
             self._announce(message, last)
 
@@ -118,8 +118,8 @@ class TPGroup:
             with self._sending:
                 self._in_forward = False
                 queued, self._queued = self._queued, []
-                for message in queued:
-                    self._announce(message, False)
+                for message, last in queued:
+                    self._announce(message, last)
 
     def _announce(self, message: torch.Tensor, last: bool) -> None:
         if self.shared is not None and self.shared.broadcast(message, last) is not None:
