@@ -27,6 +27,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -89,24 +90,47 @@ def device_timeline(
     }
 
 
+@dataclass(frozen=True)
+class Layout:
+    """A bench shape's sizes as the bench calls it: a pool a quarter larger than the
+    pages moved, half the heads to one decode rank."""
+
+    num_pages: int
+    pool_pages: int
+    heads: int
+    nbytes: int  # staged bytes
+
+    @classmethod
+    def of(cls, shape: bench.Shape) -> Layout:
+        num_pages = shape.num_tokens // shape.page_size
+        heads = max(1, shape.num_heads // 2)
+        nbytes = 2 * shape.num_layers * shape.num_tokens * heads * shape.head_dim * 2
+        return cls(num_pages, num_pages + num_pages // 4 + 1, heads, nbytes)
+
+    def pools(
+        self, shape: bench.Shape, device: torch.device, generator: torch.Generator | None = None
+    ) -> tuple[list[torch.Tensor], ...]:
+        """Prefill's K and V (all heads) and decode's (its half): ones, or random with a
+        generator."""
+
+        def pool(num_heads: int) -> list[torch.Tensor]:
+            size = (self.pool_pages * shape.page_size, num_heads, shape.head_dim)
+            return [
+                torch.randn(size, dtype=torch.bfloat16, device=device, generator=generator)
+                if generator is not None
+                else torch.ones(size, dtype=torch.bfloat16, device=device)
+                for _ in range(shape.num_layers)
+            ]
+
+        return pool(shape.num_heads), pool(shape.num_heads), pool(self.heads), pool(self.heads)
+
+
 def profile_shape(shape: bench.Shape, device: torch.device, trace: Path | None) -> dict:
-    tokens = shape.num_tokens
-    num_pages = tokens // shape.page_size
-    pool_pages = num_pages + num_pages // 4 + 1
-    pool_tokens = pool_pages * shape.page_size
-    heads = max(1, shape.num_heads // 2)
-
-    def pool(num_heads: int) -> list[torch.Tensor]:
-        return [
-            torch.full((pool_tokens, num_heads, shape.head_dim), 1.0, dtype=torch.bfloat16,
-                       device=device)
-            for _ in range(shape.num_layers)
-        ]  # fmt: skip
-
-    pk, pv, dk, dv = pool(shape.num_heads), pool(shape.num_heads), pool(heads), pool(heads)
+    layout = Layout.of(shape)
+    heads, nbytes = layout.heads, layout.nbytes
+    pk, pv, dk, dv = layout.pools(shape, device)
     generator = torch.Generator().manual_seed(0)
-    pages = torch.randperm(pool_pages, generator=generator)[:num_pages].pin_memory()
-    nbytes = 2 * shape.num_layers * tokens * heads * shape.head_dim * 2
+    pages = torch.randperm(layout.pool_pages, generator=generator)[: layout.num_pages].pin_memory()
     staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
     source = torch.full((nbytes // 2,), 7.0, dtype=torch.bfloat16, device=device)
     target = torch.empty_like(source)
@@ -150,28 +174,19 @@ def profile_shape(shape: bench.Shape, device: torch.device, trace: Path | None) 
 def stress_shape(shape: bench.Shape, device: torch.device, calls: int) -> list[str]:
     """Replays with a changing page list, checked bitwise (see the module's docstring);
     returns the mismatches found."""
-    tokens = shape.num_tokens
-    num_pages = tokens // shape.page_size
-    pool_pages = num_pages + num_pages // 4 + 1
-    pool_tokens = pool_pages * shape.page_size
-    heads = max(1, shape.num_heads // 2)
+    layout = Layout.of(shape)
+    heads, nbytes = layout.heads, layout.nbytes
     backend = "triton" if device.type == "cuda" else None
     generator = torch.Generator(device=device).manual_seed(1)
-
-    def pool(num_heads: int) -> list[torch.Tensor]:
-        return [
-            torch.randn((pool_tokens, num_heads, shape.head_dim), dtype=torch.bfloat16,
-                        device=device, generator=generator)
-            for _ in range(shape.num_layers)
-        ]  # fmt: skip
-
-    pk, pv, dk, dv = pool(shape.num_heads), pool(shape.num_heads), pool(heads), pool(heads)
+    pk, pv, dk, dv = layout.pools(shape, device, generator)
     host_generator = torch.Generator().manual_seed(2)
-    lists = [torch.randperm(pool_pages, generator=host_generator)[:num_pages] for _ in range(3)]
+    lists = [
+        torch.randperm(layout.pool_pages, generator=host_generator)[: layout.num_pages]
+        for _ in range(3)
+    ]
     if device.type == "cuda":
         lists = [pages.pin_memory() for pages in lists]  # as a scheduler keeps them
     on_device = [pages.to(device) for pages in lists]
-    nbytes = 2 * shape.num_layers * tokens * heads * shape.head_dim * 2
     staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
     sources = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device,
                              generator=generator) for _ in range(3)]  # fmt: skip

@@ -113,8 +113,9 @@ class SharedGather:
                 self._slot(parity, 0, 8 + words.numel() * 8)[8:].copy_(words.view(torch.uint8))
             self._words[0].value = sequence  # after the bytes (stores stay in order)
             self._wake(0)
-            for other in range(1, self.world if not last else 1):
-                self._wait(other, sequence)
+            if not last:
+                for other in range(1, self.world):
+                    self._wait(other, sequence)
             return words if fits else None
         self._wait(0, sequence, limit_s=float("inf"))
         count = int(size[0])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import uuid
+from typing import Any
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def _message(step: int) -> torch.Tensor:
     return torch.arange(count, dtype=torch.int64) * 7 + step
 
 
-def _rank(path: str, rank: int, world: int, results: mp.Queue) -> None:
+def _rank(rank: int, path: str, world: int, results: mp.Queue) -> None:
     shared = tp_shm.SharedGather(path, rank, world, timeout_s=30)
     try:
         for step in range(ROUNDS):
@@ -60,22 +61,28 @@ def _rank(path: str, rank: int, world: int, results: mp.Queue) -> None:
         shared.close()
 
 
-def test_two_processes_gather_each_others_bytes_in_rank_order() -> None:
-    path = f"/dev/shm/pdctl-test-{uuid.uuid4().hex}"
-    tp_shm.SharedGather.create(path, 2)
+def _two_ranks(target: Any, *args: object) -> dict[int, str]:
+    """`target(rank, *args, results)` in two spawned processes; what each put in results."""
     context = mp.get_context("spawn")
     results: mp.Queue = context.Queue()
-    workers = [context.Process(target=_rank, args=(path, r, 2, results)) for r in range(2)]
+    workers = [context.Process(target=target, args=(r, *args, results)) for r in range(2)]
     try:
         for worker in workers:
             worker.start()
-        outcome = dict(results.get(timeout=120) for _ in workers)
-        assert outcome == {0: "ok", 1: "ok"}
+        return dict(results.get(timeout=120) for _ in workers)
     finally:
         for worker in workers:
             worker.join(timeout=30)
             if worker.is_alive():
                 worker.kill()
+
+
+def test_two_processes_gather_each_others_bytes_in_rank_order() -> None:
+    path = f"/dev/shm/pdctl-test-{uuid.uuid4().hex}"
+    tp_shm.SharedGather.create(path, 2)
+    try:
+        assert _two_ranks(_rank, path, 2) == {0: "ok", 1: "ok"}
+    finally:
         tp_shm.unlink(path)
     assert not os.path.exists(path)
 
@@ -159,17 +166,4 @@ def _group_rank(rank: int, port: int, results: mp.Queue) -> None:
 def test_a_message_sent_during_a_forward_goes_out_after_its_gathers() -> None:
     from tests.serve.conftest import free_port
 
-    context = mp.get_context("spawn")
-    results: mp.Queue = context.Queue()
-    port = free_port()
-    workers = [context.Process(target=_group_rank, args=(r, port, results)) for r in range(2)]
-    try:
-        for worker in workers:
-            worker.start()
-        outcome = dict(results.get(timeout=120) for _ in workers)
-        assert outcome == {0: "ok", 1: "ok"}
-    finally:
-        for worker in workers:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.kill()
+    assert _two_ranks(_group_rank, free_port()) == {0: "ok", 1: "ok"}
