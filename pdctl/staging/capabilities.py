@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import sys
@@ -188,6 +189,15 @@ def _nixl() -> dict[str, Any]:
     return info
 
 
+def _installed(module: str) -> bool:
+    """Found on the import path, as the launcher's requirement check asks it; not imported
+    (importing SGLang takes seconds of its own, and its servers do that themselves)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package is missing or broken
+        return False
+
+
 def report() -> dict[str, Any]:
     transports: dict[str, Any] = {}
     for name, probe in (("tcp", _tcp), ("mooncake", _mooncake), ("nixl", _nixl)):
@@ -195,13 +205,7 @@ def report() -> dict[str, Any]:
             transports[name] = probe()
         except Exception as exc:  # a probe must never take the report down
             transports[name] = {"importable": False, "error": f"probe failed: {exc}"}
-    modules = {}
-    for module in ("sglang", "sglang_router"):
-        try:
-            importlib.import_module(module)
-            modules[module] = True
-        except Exception:
-            modules[module] = False
+    modules = {module: _installed(module) for module in ("sglang", "sglang_router")}
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
