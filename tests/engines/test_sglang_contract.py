@@ -9,7 +9,7 @@ endpoint pdctl probes or verify calls is in the route tables of the installed
 package's servers. Those tables are read from the package's source: importing its
 servers needs torchvision (through sglang.srt.configs), whose operators do not load
 beside the CPU torch, and tvm_ffi, so no SGLang server runs here (docs/sglang.md).
-SGLang itself is imported only in a child process (`sglang_probe.py`): importing it
+SGLang itself is imported only in one child process (`sglang_probe.py`): importing it
 changes process-wide Triton state the other tests rely on. A flag SGLang renames
 fails here, not on a user's GPU box.
 """
@@ -22,8 +22,11 @@ import itertools
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from pdctl.engines import get_engine
 from pdctl.engines.base import PortRef, render_command
@@ -48,15 +51,41 @@ GRID = list(
 )
 
 
-def ask_sglang(argvs: list[list[str]], env: list[tuple[str, str]]) -> dict[str, Any]:
-    """SGLang's parser and environment table, in a child process (sglang_probe.py)."""
-    request = json.dumps({"argvs": argvs, "env": env})
-    done = subprocess.run([sys.executable, str(PROBE)], input=request, capture_output=True,
-                          text=True, timeout=300, check=False)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    answer: dict[str, Any] = json.loads(done.stdout)
-    assert answer["version"] == SUPPORTED  # the pinned release is the one installed
-    return answer
+class SGLangProbe:
+    """SGLang's parser and environment table in one child process (sglang_probe.py),
+    asked one request at a time."""
+
+    def __init__(self) -> None:
+        self.child = subprocess.Popen([sys.executable, str(PROBE)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+    def ask(self, argvs: list[list[str]], env: list[tuple[str, str]]) -> dict[str, Any]:
+        assert self.child.stdin is not None and self.child.stdout is not None
+        self.child.stdin.write(json.dumps({"argvs": argvs, "env": env}) + "\n")
+        self.child.stdin.flush()
+        line = self.child.stdout.readline()
+        assert line, f"the SGLang probe ended (exit {self.child.wait(timeout=60)})"
+        answer: dict[str, Any] = json.loads(line)
+        assert answer["version"] == SUPPORTED  # the pinned release is the one installed
+        return answer
+
+    def close(self) -> None:
+        if self.child.stdin is not None:
+            self.child.stdin.close()  # the child's loop ends at end of input
+        try:
+            self.child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.child.kill()
+            self.child.wait()
+
+
+@pytest.fixture(scope="module")
+def sglang() -> Iterator[SGLangProbe]:
+    probe = SGLangProbe()
+    try:
+        yield probe
+    finally:
+        probe.close()
 
 
 def fake_ports(command: Any) -> dict[str, int | str]:
@@ -90,7 +119,9 @@ def expected(plan: LaunchPlan, process: ProcessPlan, ports: dict[str, Any]) -> d
     return fields
 
 
-def check_plans(plans: list[LaunchPlan], references: bool = False) -> None:
+def check_plans(
+    sglang: SGLangProbe, plans: list[LaunchPlan], references: bool = False
+) -> None:
     """Every server command of `plans` (and each one's reference) through SGLang."""
     argvs: list[list[str]] = []
     wanted: list[dict[str, Any]] = []
@@ -106,7 +137,7 @@ def check_plans(plans: list[LaunchPlan], references: bool = False) -> None:
             argv, ports = sglang_argv(reference.command)
             argvs.append(argv)
             wanted.append({"disaggregation_mode": "null", "port": ports["reference.http"]})
-    answer = ask_sglang(argvs, sorted(set(env)))
+    answer = sglang.ask(argvs, sorted(set(env)))
     for argv, want, got in zip(argvs, wanted, answer["parsed"], strict=True):
         assert "error" not in got, f"SGLang {SUPPORTED} refuses {argv}: {got['error']}"
         assert {k: got[k] for k in want} == want, argv
@@ -115,9 +146,10 @@ def check_plans(plans: list[LaunchPlan], references: bool = False) -> None:
         assert variable["error"] is None, variable
 
 
-def test_catalog_commands_parse_with_sglangs_parser() -> None:
+def test_catalog_commands_parse_with_sglangs_parser(sglang: SGLangProbe) -> None:
     assert SGLANG_TOPOLOGIES, "the catalog has SGLang topologies to check"
-    check_plans([make_plan(load_checked(path)) for path in SGLANG_TOPOLOGIES], references=True)
+    plans = [make_plan(load_checked(path)) for path in SGLANG_TOPOLOGIES]
+    check_plans(sglang, plans, references=True)
 
 
 def grid_topology(make_topology: Any, case: tuple[Any, ...]) -> Path:
@@ -137,16 +169,18 @@ def grid_topology(make_topology: Any, case: tuple[Any, ...]) -> Path:
     )
 
 
-def test_a_grid_of_topologies_parses_with_sglangs_parser(make_topology: Any) -> None:
+def test_a_grid_of_topologies_parses_with_sglangs_parser(
+    sglang: SGLangProbe, make_topology: Any
+) -> None:
     """TP sizes, backends, protocols, staging, devices, replicas, deterministic on and off:
     every server command and the reference's."""
     plans = [make_plan(load_checked(grid_topology(make_topology, case))) for case in GRID]
-    check_plans(plans, references=True)
+    check_plans(sglang, plans, references=True)
 
 
-def test_a_renamed_flag_would_fail_here() -> None:
+def test_a_renamed_flag_would_fail_here(sglang: SGLangProbe) -> None:
     """The check can fail: SGLang refuses a flag it does not have, and a bad value."""
-    answer = ask_sglang(
+    answer = sglang.ask(
         [["--model-path", "m", "--disaggregation-staging-buffer-mb", "64"]],
         [
             ("SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB", "64"),
