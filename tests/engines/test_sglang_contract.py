@@ -119,9 +119,7 @@ def expected(plan: LaunchPlan, process: ProcessPlan, ports: dict[str, Any]) -> d
     return fields
 
 
-def check_plans(
-    sglang: SGLangProbe, plans: list[LaunchPlan], references: bool = False
-) -> None:
+def check_plans(sglang: SGLangProbe, plans: list[LaunchPlan], references: bool = False) -> None:
     """Every server command of `plans` (and each one's reference) through SGLang."""
     argvs: list[list[str]] = []
     wanted: list[dict[str, Any]] = []

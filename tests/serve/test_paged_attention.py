@@ -1,6 +1,7 @@
-"""Paged attention for a whole batch: the Triton kernel and its torch reference.
+"""Paged attention for a whole batch: the Triton kernel, the CPU's C kernel and the torch
+reference.
 
-Both must give a query bitwise the same output whatever else is in the batch, however
+Each must give a query bitwise the same output whatever else is in the batch, however
 its prompt was chunked, after a prefix-cache hit (its prefix's KV in other pool rows,
 suffix-only prefill) and as a one-token decode; both must be close to float64
 attention and to each other. CPU: the kernel runs with TRITON_INTERPRET=1 (float32
@@ -22,7 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pdctl.serve.engine.kv_pool import KVPool
-from pdctl.serve.model import attention, ops, triton_attention
+from pdctl.serve.model import attention, native_attention, ops, triton_attention
 from pdctl.serve.model.batch import ForwardBatch, Piece
 from pdctl.serve.model.runner import ModelRunner
 from pdctl.serve.model.weights import build_rank_weights, preset_config, preset_source
@@ -31,6 +32,7 @@ Attention = Callable[..., torch.Tensor]
 IMPLEMENTATIONS = {
     "torch": attention.paged_attention_reference,
     "triton": triton_attention.paged_attention,
+    "native": native_attention.paged_attention,  # the CPU's C kernel: float32 only
 }
 POOL = 4096
 # (query heads, KV heads, head dim): GQA by 2; a group of 3 and a head dim of 24 (padded)
@@ -121,6 +123,7 @@ parametrized = pytest.mark.parametrize(
         for name in IMPLEMENTATIONS
         for shape in SHAPES
         for dtype in (torch.float32, torch.float16)
+        if name != "native" or dtype == torch.float32
     ],
 )
 
@@ -275,7 +278,7 @@ def test_deterministic_accelerators_take_the_kernel(monkeypatch) -> None:
     keys = ForwardBatch.build([seq.piece(0, 20)], torch.device("cpu")).keys
     q = ops.pad_rows(seq.q)
     attention.paged_attention(q, pool.k, pool.v, keys, 1.0)
-    assert calls == []  # the CPU takes the torch path
+    assert calls == []  # the CPU takes the C kernel or the torch path
     monkeypatch.setattr(ops, "triton_available", lambda device_type: True)
     attention.paged_attention(q, pool.k, pool.v, keys, 1.0)
     assert len(calls) == 1

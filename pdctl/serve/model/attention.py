@@ -4,8 +4,10 @@
 at once, reading K and V straight from the pool's per-layer buffers through the
 batch's `KeyTable` (no per-piece loop, no copy of a piece's keys first). On CUDA and
 XPU it is one launch of the Triton kernel (`triton_attention.py`) in both serving
-modes (it is fixed-order and the fast path); elsewhere `paged_attention_reference`,
-the torch path with the same signature. Both reduce in a fixed order that depends only on a query's
+modes (it is fixed-order and the fast path); on the CPU with a float32 cache, the C
+kernel (`native_attention.py`: one query row at a time over its own keys);
+elsewhere `paged_attention_reference`, the torch path with the same signature. The
+kernel and the torch path reduce in a fixed order that depends only on a query's
 absolute position:
 
 - keys in blocks of KEY_BLOCK absolute positions, block 0 first; a block a query may
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdctl.serve.model import ops
+from pdctl.serve.model import native_attention, ops
 from pdctl.serve.model.batch import QUERY_BLOCK, KeyTable
 
 KEY_BLOCK = 64
@@ -55,6 +57,8 @@ def paged_attention(
         from pdctl.serve.model import triton_attention
 
         return triton_attention.paged_attention(q, k_buffer, v_buffer, keys, scale, window)
+    if native_attention.serves(q, k_buffer):  # the CPU's float32: one row at a time, in C
+        return native_attention.paged_attention(q, k_buffer, v_buffer, keys, scale, window)
     return paged_attention_reference(q, k_buffer, v_buffer, keys, scale, window)
 
 

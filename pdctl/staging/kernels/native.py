@@ -44,26 +44,27 @@ def library_dir() -> Path:
     return Path(cache) / "pdctl" / "native"
 
 
-def build() -> Path:
-    """The compiled library (built on first use); raises OSError saying why it cannot be."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    target = library_dir() / f"staging-rows-{digest}.so"
+def build(source: Path = SOURCE, stem: str = "staging-rows", flags: Sequence[str] = ()) -> Path:
+    """The compiled library of `source` (built on first use, with `flags` besides -O3 and
+    the threading ones); raises OSError saying why it cannot be."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    target = library_dir() / f"{stem}-{digest}.so"
     if target.exists():
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise OSError("no C compiler (cc or gcc) to build the CPU staging copy")
+        raise OSError(f"no C compiler (cc or gcc) to build {source.name}")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         for threading_flag in ("-fopenmp", "-pthread"):  # torch's OpenMP threads, else its own
-            flags = ["-O3", "-shared", "-fPIC", "-pthread", threading_flag]
-            command = [compiler, *flags, "-o", str(built), str(SOURCE)]
+            options = ["-O3", "-shared", "-fPIC", "-pthread", threading_flag, *flags]
+            command = [compiler, *options, "-o", str(built), str(source), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True, timeout=120)
             if result.returncode == 0:
                 break
         if result.returncode != 0:
-            raise OSError(f"building the CPU staging copy failed: {result.stderr.strip()}")
+            raise OSError(f"building {source.name} failed: {result.stderr.strip()}")
         os.replace(built, target)
     return target
 
