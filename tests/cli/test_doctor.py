@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -42,15 +43,23 @@ def test_doctor_json_is_clean_and_truthful() -> None:
     assert report["devices"]["cpu"] >= 1 and report["torch"].startswith("2.")
 
 
+def without_tent_variables() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("MC_USE_TENT", "MC_USE_TEV1")}
+
+
+def test_doctor_says_tent_is_not_available_when_not_asked() -> None:
+    plain = run_doctor(env=without_tent_variables())
+    assert plain.returncode == 0
+    assert "TENT not available (asked for it, the engine ran its classic" in plain.stdout
+    assert "TENT is not engaged" not in plain.stderr
+
+
 @pytest.mark.parametrize(("name", "value"), [("MC_USE_TENT", "1"), ("MC_USE_TENT", "0"),
                                              ("MC_USE_TEV1", "")])  # fmt: skip
 def test_doctor_says_tent_is_not_engaged_from_what_the_engine_ran(name: str, value: str) -> None:
     """Set to any value, "0" and "" included, the variable asks Mooncake for TENT; this
     wheel runs its classic engine anyway, and doctor says so from the engine's log."""
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k not in ("MC_USE_TENT", "MC_USE_TEV1")}
-    result = run_doctor(env={**env, name: value})
+    result = run_doctor(env={**without_tent_variables(), name: value})
     assert result.returncode == 0
     assert "TENT requested, not engaged (the engine ran its classic implementation)" in (
         result.stdout
@@ -58,8 +67,6 @@ def test_doctor_says_tent_is_not_engaged_from_what_the_engine_ran(name: str, val
     assert f"{name} is set, but the Transfer Engine ran its classic implementation" in (
         result.stderr
     )
-    plain = run_doctor(env=env)
-    assert "TENT not available (asked for it, the engine ran its classic" in plain.stdout
 
 
 def test_doctor_is_listed_in_help(cli) -> None:
