@@ -1,4 +1,5 @@
-"""CUDA calls that keep the GIL: an event's record and query, a graph's launch.
+"""CUDA calls that keep the GIL: an event's record and query, a graph's launch, an
+upload ahead of it.
 
 In a server whose HTTP side runs on other threads, every call that releases the GIL
 costs the caller getting it back: up to the switch interval each time, when another
@@ -46,6 +47,9 @@ class _Driver:
         self.event_elapsed = _fn(held, "cuEventElapsedTime", [p(ctypes.c_float), vp, vp])
         self.event_wait = _fn(free, "cuEventSynchronize", [vp])
         self.graph_launch = _fn(held, "cuGraphLaunch", [vp, vp])
+        size = ctypes.c_size_t
+        self.copy_to_device = _fn(held, "cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, vp, size, vp])
+        self.stream_wait = _fn(held, "cuStreamWaitEvent", [vp, vp, u])
 
     def check(self, result: int, what: str) -> None:
         if result != CUDA_SUCCESS:
@@ -100,10 +104,10 @@ class HeldEvent:
     """A timing event whose record, query and elapsed time keep the GIL; the same
     calls as torch's CUDA Event (record takes a torch stream, or the current one)."""
 
-    def __init__(self, calls: _Driver, device: torch.device) -> None:
+    def __init__(self, calls: _Driver, device: torch.device, flags: int = 0) -> None:
         self._calls, self._device = calls, device
         handle = ctypes.c_void_p()
-        calls.check(calls.event_create(ctypes.byref(handle), 0), "cuEventCreate")
+        calls.check(calls.event_create(ctypes.byref(handle), flags), "cuEventCreate")
         self.handle = handle
 
     def record(self, stream: Any = None) -> None:
@@ -152,6 +156,42 @@ def held_event(device: torch.device) -> HeldEvent | None:
         return HeldEvent(calls, device)
     except RuntimeError as exc:
         log.info("staging: %s; events go through torch", exc)
+        return None
+
+
+CU_EVENT_DISABLE_TIMING = 2
+
+
+class HeldUpload:
+    """A host-to-device copy on a stream of its own, which the launching stream waits
+    for: the copy engine brings the next call's ids while the compute engine still runs
+    the call before (`captured.CudaSlot`, AHEAD). Keeps the GIL like the rest."""
+
+    def __init__(self, calls: _Driver, device: torch.device) -> None:
+        self._calls = calls
+        self.stream = torch.cuda.Stream(device)  # cuda-only: a CUDA stream
+        self._stream = stream_handle(self.stream)
+        self.done = HeldEvent(calls, device, CU_EVENT_DISABLE_TIMING)
+
+    def copy(self, target: int, source: int, nbytes: int, before: int) -> None:
+        """`nbytes` from pinned host address `source` to device address `target`, on the
+        upload stream; the stream with handle `before` waits for them (nothing else)."""
+        calls = self._calls
+        copied = calls.copy_to_device(target, source, nbytes, self._stream)
+        calls.check(copied, "cuMemcpyHtoDAsync")
+        self.done.record(self._stream)
+        calls.check(calls.stream_wait(before, self.done.handle, 0), "cuStreamWaitEvent")
+
+
+def held_upload(device: torch.device) -> HeldUpload | None:
+    """A HeldUpload on this thread's current CUDA context, or None (no driver)."""
+    calls = driver()
+    if device.type != "cuda" or calls is None or not calls.has_context():
+        return None
+    try:
+        return HeldUpload(calls, device)
+    except RuntimeError as exc:
+        log.info("staging: %s; ids are uploaded inside the graph", exc)
         return None
 
 

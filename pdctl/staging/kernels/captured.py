@@ -7,9 +7,12 @@ upload, the kernel's launch), as long as the device takes to copy a hundred
 megabytes; where the host is slow, that work, not the copy, sets the rate. A call
 that comes back the same (the same KV lists, the same staging memory, as many page
 ids, the same page size, heads and backend) is captured, on its SIGHTS-th sight, as
-a graph of two nodes: the ids' upload from a pinned slot (a kernel reading the host
-memory, `kernels.upload`: no hand-over to the copy engine and back; a copy with
-PDCTL_STAGING_UPLOAD_KERNEL=0 or where the kernel cannot run), then the kernels. A
+a graph of the kernels reading the slot's device ids, which a copy on a stream of the
+slot's own brings from its pinned ids just before, ahead of the graph's stream (the
+copy engine works while the call before still runs; `held.HeldUpload`). Where that
+cannot be (no driver, PDCTL_STAGING_UPLOAD_AHEAD=0) the graph starts with the upload
+itself (a kernel reading the host memory, `kernels.upload`; a copy with
+PDCTL_STAGING_UPLOAD_KERNEL=0 or where the kernel cannot run). A
 shape dropped (the least recently used, or its key named other tensors) first waits
 for its replays.
 A replay reads the ids the host wrote to the slot just before.
@@ -53,6 +56,12 @@ ENABLED = os.environ.get("PDCTL_STAGING_GRAPHS", "1") != "0"
 # while its compile run could race the eager call (`_uploader`); 0 of 20 since
 # (docs/benchmarks.md, session 15).
 UPLOAD_KERNEL = os.environ.get("PDCTL_STAGING_UPLOAD_KERNEL", "1") != "0"
+# The ids' upload ahead of the graph instead: a copy on a stream of the slot's own that
+# the graph's stream waits for, so the copy engine brings a call's ids while the call
+# before still runs (the upload kernel cost each replay 5.5 us of an H200's 65 us on
+# 28 x 2 x 128; docs/benchmarks.md, session 16). Through the driver only (`held`);
+# PDCTL_STAGING_UPLOAD_AHEAD=0, or no driver: the upload inside the graph, as above.
+UPLOAD_AHEAD = os.environ.get("PDCTL_STAGING_UPLOAD_AHEAD", "1") != "0"
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -119,15 +128,23 @@ class CudaSlot:
         self.used = False
         self.graph = torch.cuda.CUDAGraph()  # cuda-only: graphs are CUDA's
         stream = torch.cuda.Stream(device)  # cuda-only: graphs are CUDA's
-        upload = _uploader(self.ids, self.device_ids)
+        self.ahead = held.held_upload(device) if UPLOAD_AHEAD else None
+        if self.ahead is not None:  # `device_ids` may be memory the caller's stream still
+            # reads (an eager call's freed temporaries): the first copy goes after that work
+            self.ahead.stream.wait_stream(torch.cuda.current_stream(device))  # cuda-only: too
+        upload = None if self.ahead is not None else _uploader(self.ids, self.device_ids)
         capturing = torch.cuda.graph(  # cuda-only: graphs are CUDA's
             self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"
         )
         with keeping() as self.kept, capturing:  # the pointer tables it reads stay alive
-            upload()
+            if upload is not None:
+                upload()
             self.value = self.body(eager, self.device_ids)
         launcher = held.held_graph(self.graph)
         self.launcher = launcher if isinstance(self.done, held.HeldEvent) else None
+        if self.launcher is None and self.ahead is not None:  # cannot happen with a driver
+            raise RuntimeError("an upload ahead needs the graph launched through the driver")
+        self.upload_args = (self.device_ids.data_ptr(), self.ids.data_ptr(), self.ids.nbytes)
 
     def body(self, eager: Eager, device_ids: torch.Tensor) -> Any:
         """What the graph holds, run once under capture: the call on the device ids."""
@@ -139,6 +156,8 @@ class CudaSlot:
         stream read as a handle."""
         if self.launcher is not None:
             handle = held.current_stream_handle(self.index)
+            if self.ahead is not None:  # the ids, by the copy engine, before the graph
+                self.ahead.copy(*self.upload_args, handle)
             self.launcher.launch(handle)
             self.done.record(handle)
         else:
