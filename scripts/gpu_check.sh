@@ -121,16 +121,19 @@ if has fault; then
     for upload in 1 0; do
       log="$OUT/fault-$round-upload$upload.log"
       TRITON_CACHE_DIR=$(mktemp -d) PDCTL_NATIVE_DIR=$(mktemp -d) \
-        PDCTL_STAGING_UPLOAD_KERNEL=$upload timeout 150 \
+        PDCTL_STAGING_UPLOAD_AHEAD=0 PDCTL_STAGING_UPLOAD_KERNEL=$upload timeout 150 \
         python3 benchmarks/staging_e2e_profile.py > "$log" 2>&1
       rc=$?
       echo "round $round upload=$upload rc=$rc shapes=$(grep -c e2e10 "$log")" \
         "illegal=$(grep -c 'illegal memory' "$log")" | tee -a "$OUT/fault.txt"
     done
   done
-  for upload in 1 0; do
-    PDCTL_STAGING_UPLOAD_KERNEL=$upload timeout 120 python3 benchmarks/staging_e2e_profile.py \
-      --stress 12 > "$OUT/stress-upload$upload.log" 2>&1 || status=1
+  # the default (ids copied ahead of the graph), then the upload inside it: kernel, copy
+  for upload in ahead 1 0; do
+    ahead=$([ "$upload" = ahead ] && echo 1 || echo 0)
+    PDCTL_STAGING_UPLOAD_AHEAD=$ahead PDCTL_STAGING_UPLOAD_KERNEL=${upload/ahead/1} timeout 120 \
+      python3 benchmarks/staging_e2e_profile.py --stress 12 > "$OUT/stress-upload$upload.log" \
+      2>&1 || status=1
     tail -n 1 "$OUT/stress-upload$upload.log" | tee -a "$OUT/fault.txt"
   done
   if command -v compute-sanitizer >/dev/null; then
