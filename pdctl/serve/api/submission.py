@@ -22,6 +22,8 @@ from pdctl.serve.engine.loop import Engine
 from pdctl.serve.engine.request import Event, Request
 from pdctl.serve.engine.sampling import SamplingParams
 
+DISCONNECT_CHECK_S = 0.5  # how often a request's reader asks whether its client is gone
+
 
 @dataclass
 class ServerContext:
@@ -98,14 +100,23 @@ class Submission:
         loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     async def events(self, http: HttpRequest) -> AsyncIterator[Event]:
+        """The request's events until it finishes. It is aborted (its pages given back)
+        however the reading ends before that: the client gone (looked for every
+        DISCONNECT_CHECK_S, tokens flowing or not), the handler cancelled, or the
+        response closing this iterator when a write to a closed connection failed."""
+        finished = False
+        checked = time.monotonic()
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(self.queue.get(), timeout=0.5)
+                    event = await asyncio.wait_for(self.queue.get(), DISCONNECT_CHECK_S)
                 except TimeoutError:
+                    event = None
+                if event is None or time.monotonic() - checked >= DISCONNECT_CHECK_S:
+                    checked = time.monotonic()
                     if await http.is_disconnected():
-                        self.ctx.engine.abort(self.request.rid)
                         return
+                if event is None:
                     continue
                 if event.token is not None:
                     self.outcome.tokens.append(event.token)
@@ -116,12 +127,13 @@ class Submission:
                     self.outcome.finish = event.finish_reason
                     self.outcome.cached_tokens = self.request.cached_tokens
                     self.outcome.kv_transfer = self.request.kv_transfer
+                finished = event.error is not None or event.finish_reason is not None
                 yield event
-                if event.error is not None or event.finish_reason is not None:
+                if finished:
                     return
-        except asyncio.CancelledError:
-            self.ctx.engine.abort(self.request.rid)
-            raise
+        finally:
+            if not finished:  # a no-op for a request the engine already finished
+                self.ctx.engine.abort(self.request.rid)
 
     async def finish(self, http: HttpRequest) -> Outcome:
         async for _ in self.events(http):
