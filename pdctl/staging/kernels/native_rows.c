@@ -7,11 +7,16 @@
  *
  * Rows of a page-1 layout are a few hundred bytes at random places in the pool:
  * each copy prefetches the row PREFETCH_BYTES of items ahead, so the memory system
- * fetches several rows at once instead of waiting for each in turn. A large copy
- * (STREAM_BYTES or more) writes with streaming stores where the chunk and its
- * destination allow (x86: 16-byte multiples at 16-byte addresses): a store that
- * misses the cache otherwise first reads the line it overwrites, a third of the
- * traffic of a copy; the bytes written are not read back before the copy ends.
+ * fetches several rows at once instead of waiting for each in turn. The prefetch
+ * asks for the outer cache (locality 1: x86's prefetcht2), which can have many more
+ * misses in flight than the first level; prefetched into the first level, rows came
+ * at two thirds of that rate on the 2-core development machine (docs/benchmarks.md,
+ * session 17). A large copy (STREAM_BYTES or more) writes with streaming stores where
+ * the chunk and its destination allow (x86: 16-byte multiples at 16-byte addresses):
+ * a store that misses the cache otherwise first reads the line it overwrites, a third
+ * of the traffic of a copy; the bytes written are not read back before the copy ends.
+ * A streamed scatter prefetches nothing: its rows are only written, and a line
+ * fetched ahead is a read the streaming store exists to avoid.
  * The caller checks every page id against the pool before calling
  * (pdctl/staging/kernels/native.py).
  */
@@ -91,15 +96,26 @@ static void stream_copy(uint8_t *target, const uint8_t *source, int64_t bytes) {
 #endif
 }
 
+/* The KV row `distance` items ahead, into the outer cache: to be read (a gather) or
+ * written (a scatter without streaming stores). */
+static void prefetch_row(const uint8_t *row, int64_t chunk, int for_write) {
+    if (for_write) {
+        for (int64_t offset = 0; offset < chunk; offset += 64)
+            __builtin_prefetch(row + offset, 1, 1);
+    } else {
+        for (int64_t offset = 0; offset < chunk; offset += 64)
+            __builtin_prefetch(row + offset, 0, 1);
+    }
+}
+
 static void *copy_part(void *arg) {
     const part_t *p = (const part_t *)arg;
     int64_t distance = PREFETCH_BYTES / p->chunk < 2 ? 2 : PREFETCH_BYTES / p->chunk;
+    int prefetch = p->to_staging || !p->stream; /* a streamed scatter's rows are only written */
     cursor_t now = cursor_at(p, p->begin), ahead = cursor_at(p, p->begin + distance);
     for (int64_t item = p->begin; item < p->end; item++) {
-        if (item + distance < p->end) {
-            const uint8_t *next = kv_at(p, &ahead);
-            for (int64_t offset = 0; offset < p->chunk; offset += 64)
-                __builtin_prefetch(next + offset, 0, 3);
+        if (prefetch && item + distance < p->end) {
+            prefetch_row(kv_at(p, &ahead), p->chunk, !p->to_staging);
             step(p, &ahead);
         }
         uint8_t *kv = kv_at(p, &now), *staged = p->staging + item * p->chunk;
