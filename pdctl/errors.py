@@ -20,6 +20,7 @@ class ExitCode(IntEnum):
     SKIPPED = 4  # requirements of the topology are not met on this machine
     INTERNAL = 70  # a bug in pdctl (EX_SOFTWARE)
     INTERRUPTED = 130  # Ctrl-C
+    OUTPUT_CLOSED = 141  # stdout's reader went away (`pdctl ... | head`): 128 + SIGPIPE
 
 
 class PdctlError(Exception):

@@ -6,6 +6,9 @@ it (`pdctl plan f.yaml --json`); both land in one `Options` object.
 
 from __future__ import annotations
 
+import os
+import select
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -75,12 +78,32 @@ class PdctlGroup(TyperGroup):
             console.error("interrupted")
             raise typer.Exit(ExitCode.INTERRUPTED) from None
         except Exception as exc:
+            if isinstance(exc, BrokenPipeError) and _reader_gone():
+                raise typer.Exit(ExitCode.OUTPUT_CLOSED) from None  # no one left to tell
             _maybe_traceback(ctx)
             console.error(
                 f"internal error: {type(exc).__name__}: {exc}",
                 "this is a bug in pdctl; run again with -v for the traceback and report it",
             )
             raise typer.Exit(ExitCode.INTERNAL) from None
+
+
+def _reader_gone() -> bool:
+    """Whether stdout's reader went away (a pipe or socket closed at the far end: `pdctl
+    ... | head`), as opposed to a broken pipe of pdctl's own (a server's socket). If so,
+    stdout is pointed at /dev/null, so the interpreter's last flush has nowhere to fail."""
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture)
+        return False
+    poller = select.poll()
+    poller.register(descriptor, select.POLLOUT)
+    if not any(mask & (select.POLLERR | select.POLLHUP) for _, mask in poller.poll(0)):
+        return False
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, descriptor)
+    os.close(null)
+    return True
 
 
 def _maybe_traceback(ctx: typer.Context) -> None:

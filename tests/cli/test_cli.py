@@ -155,3 +155,23 @@ def test_plan_of_a_bad_file_exits_2_without_traceback(cli) -> None:
 def test_unknown_command_and_option_are_usage_errors(cli) -> None:
     assert cli.invoke(app, ["frobnicate"]).exit_code == 2
     assert cli.invoke(app, ["plan", str(DEFAULT), "--frob"]).exit_code == 2
+
+
+@pytest.mark.parametrize(
+    "command", [["schema"], ["plan", "--json", "topologies/cpu-p1d2-tcp.yaml"]]
+)
+def test_a_reader_that_goes_away_ends_pdctl_quietly(command: list[str]) -> None:
+    """`pdctl ... | head`: the pipe's read end is closed before pdctl writes, so its first
+    write fails; it exits 141 (as a shell reports SIGPIPE) and prints no internal error."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdctl", *command],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+    )  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # the reader is gone before the first write
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=60) == 141, stderr
+    assert stderr == "", stderr
