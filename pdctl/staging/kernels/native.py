@@ -9,6 +9,7 @@ host's C compiler (`CC`, else cc or gcc) into PDCTL_NATIVE_DIR (default
 ~/.cache/pdctl/native), written to a temporary name and renamed, so concurrent
 processes never load half a file. `available()` says why it is not there when it
 is not (`pdctl doctor` shows it); PDCTL_NATIVE_STAGING=0 turns it off.
+`benchmarks/native_rows_ab.py` times builds of the C source side by side.
 
 The C code trusts its arguments, so `copy_rows` checks them first: buffers of
 [pool_tokens, row_words] rows, a contiguous staging block, page ids inside the pool.
