@@ -8,7 +8,12 @@ the scatter from staging into a decode pool. Page indices start on the host
 timed gather and scatter. On an accelerator each timing spans ten back-to-back
 operations between device events, host work included as it overlaps; on the CPU
 the clock times each operation. Operations are interleaved so that all three see
-the same machine conditions; the median of the repeats is reported.
+the same machine conditions; the median of the repeats is reported. On the CPU
+each timed operation is preceded by an untimed run of itself, so none pays for the
+one before it: a copy leaves tens of megabytes of written lines in the cache, and
+whichever operation came next paid for writing them back (the gather, always after
+the copy, measured 0.53-0.78 of it that way against 0.84-1.02 settled on 28 x 2 x 128;
+docs/benchmarks.md, session 17).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ def _timed(device: torch.device, operation: Callable[[], object], iterations: in
     host work overlaps device work as it does in a server; on the CPU from the clock.
     """
     if device.type == "cpu":
+        operation()  # settles: the write-back of what ran before is not this one's
         start = time.perf_counter()
         for _ in range(iterations):
             operation()
