@@ -125,7 +125,18 @@ def test_a_replay_checks_the_ids_as_the_eager_call_does() -> None:
         gather_via(calls, k, v, staging, [pages[0]] * COUNT, counter)
     with pytest.raises(ValueError, match="outside the pool"):
         gather_via(calls, k, v, staging, [POOL_PAGES + 1, *pages[1:]], counter)
+    # ids as a replay's usual tensor (int64, contiguous) take the short way to the C
+    # check; what it refuses still gets the eager call's words
+    bad_ids = ([pages[0]] * COUNT, [-1, *pages[1:]], [*pages[:-1], POOL_PAGES])
+    for bad, message in zip(bad_ids, ("more than once", "outside", "outside"), strict=True):
+        with pytest.raises(ValueError, match=message):
+            gather_via(calls, k, v, staging, torch.tensor(bad, dtype=torch.int64), counter)
     assert calls.replays == 1
+    good = torch.tensor(list(reversed(pages)), dtype=torch.int64)
+    nbytes = gather_via(calls, k, v, staging, good, counter)
+    assert calls.replays == 2
+    expected = naive_gather(k, v, good, PAGE, 1, 1)
+    assert torch.equal(staging[:nbytes].view(expected.dtype).view(expected.shape), expected)
 
 
 def test_armed_calls_launch_later_each_with_its_own_ids() -> None:

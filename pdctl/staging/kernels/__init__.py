@@ -241,18 +241,21 @@ def scatter_staging_to_kv(
     each scattered into its own destination heads. Returns the bytes consumed. On
     CUDA a call that comes back the same is replayed from a graph (`captured`).
     """
+    params: tuple[Any, ...]
     if writers is None:
         if dst_head_start is None or num_heads is None:
             raise ValueError("give dst_head_start and num_heads, or writers")
-        writers = [HeadSlice(0, 0, dst_head_start, num_heads)]
+        pieces: tuple[HeadSlice, ...] = (HeadSlice(0, 0, dst_head_start, num_heads),)
+        params = ("scatter", dst_head_start, num_heads, backend)  # ints hash at C speed
     elif dst_head_start is not None or num_heads is not None:
         raise ValueError("give either writers or dst_head_start/num_heads, not both")
-    pieces = tuple(writers)
+    else:
+        pieces = tuple(writers)
+        params = ("scatter", pieces, backend)
 
     def eager(pages: PageIndices) -> int:
         return _scatter(staging, k_buffers, v_buffers, pages, page_size, pieces, backend)
 
-    params = ("scatter", pieces, backend)
     return _replayed(params, k_buffers, v_buffers, staging, page_indices, page_size, eager)
 
 
@@ -333,7 +336,30 @@ def _host_ids(
     into: torch.Tensor | None,
 ) -> torch.Tensor:
     """The host ids as a CPU tensor, checked as `upload_pages` checks them; written to
-    `into` (a replay's pinned slot) in the check's pass where it is given."""
+    `into` (a replay's pinned slot) in the check's pass where it is given.
+
+    A replay's usual ids (a 1-D contiguous int64 CPU tensor as long as the slot) go
+    straight to the C check: every tensor property read costs about a microsecond on
+    a slow host, and this runs on every replay (the H200 host spent 31-35 us a call
+    here on 8,192 ids; docs/benchmarks.md, session 17). Anything else, and any id
+    the C check refuses, takes the full path, which raises the precise error."""
+    if (
+        into is not None
+        and type(page_indices) is torch.Tensor
+        and page_indices.dtype is torch.int64
+        and page_indices.is_cpu
+        and page_indices.dim() == 1
+        and page_indices.is_contiguous()
+        and page_size >= 1
+    ):
+        count = len(page_indices)
+        if count and into.numel() == count:
+            # the KV lists are the very tensors the slot's shape was captured with
+            # (`captured._Shape.names`), so their first dimension is the pool's tokens
+            num_pages = k_buffers[0].shape[0] // page_size
+            found = native.check_at(page_indices.data_ptr(), count, num_pages, into.data_ptr())
+            if found is not None and found[0] < 0:
+                return into
     pages = checked_pages(page_indices, page_size, prepare_kv(k_buffers, v_buffers).info, into)
     return into if into is not None else pages.to(torch.int64)
 

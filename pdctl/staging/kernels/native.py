@@ -140,12 +140,23 @@ def check_ids(
         if not out.is_contiguous():  # the C code writes `count` words from its start
             return None
         target = out.data_ptr()
+    return check_at(address, count, num_pages, target)
+
+
+def check_at(address: int, count: int, num_pages: int, out: int | None) -> tuple[int, bool] | None:
+    """`check_ids` on addresses the caller vouches for: `count` int64 ids at `address`,
+    copied to as many words at `out` (None: not copied). A replayed staging call's
+    host path: on a slow host each tensor property read `check_ids` makes costs about a
+    microsecond. None where the C library is not built."""
+    library, _ = _library()
+    if library is None:
+        return None
     stamps = _STAMPS
     if stamps.size < num_pages or stamps.stamp >= 0xFFFFFFFF:
         stamps.grow(num_pages)
     stamps.stamp += 1
     position = library.pdctl_check_ids(
-        address, count, num_pages, stamps.address, stamps.stamp, stamps.repeated_ref, target
+        address, count, num_pages, stamps.address, stamps.stamp, stamps.repeated_ref, out
     )
     return int(position), bool(stamps.repeated.value)
 
