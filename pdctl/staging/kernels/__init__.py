@@ -353,7 +353,8 @@ def _host_ids(
         and page_size >= 1
     ):
         count = len(page_indices)
-        if count and into.numel() == count:
+        slot_fits = into.dtype is torch.int64 and into.is_contiguous() and into.numel() == count
+        if count and slot_fits and len(k_buffers):  # the C check writes `count` words
             # the KV lists are the very tensors the slot's shape was captured with
             # (`captured._Shape.names`), so their first dimension is the pool's tokens
             num_pages = k_buffers[0].shape[0] // page_size
