@@ -14,6 +14,7 @@ from pdctl.staging import kernels
 from pdctl.staging.kernels import captured
 from pdctl.staging.kernels.base import BufferCache, keeping
 from pdctl.staging.kernels.captured import CapturedCalls, Eager
+from pdctl.staging.kernels.pages import host_ids
 from tests.staging.kv_factory import as_bits, naive_gather, random_kv, random_pages
 
 PAGE, POOL_PAGES, COUNT = 4, 32, 6
@@ -60,7 +61,7 @@ def gather_via(calls: CapturedCalls, k, v, staging, pages, counter: list[int]) -
     key = ("gather", id(k), id(v), staging.data_ptr(), staging.numel(), len(pages))
     return calls.arm(
         key, (k, v), staging.device,
-        lambda into: kernels._host_ids(k, v, pages, PAGE, into), eager, pages,
+        lambda into: host_ids(k, v, pages, PAGE, into), eager, pages,
     )()  # fmt: skip
 
 
@@ -155,7 +156,7 @@ def test_armed_calls_launch_later_each_with_its_own_ids() -> None:
             kernels._gather(k, v, ids, staging, (1, 1), PAGE, "torch")
             return staging.clone()
 
-        host = lambda into: kernels._host_ids(k, v, pages, PAGE, into)  # noqa: E731
+        host = lambda into: host_ids(k, v, pages, PAGE, into)  # noqa: E731
         return calls.arm(key, (k, v), staging.device, host, eager, pages)
 
     for seed in range(2):  # the shape seen, then captured

@@ -300,16 +300,17 @@ def test_host_page_checks_catch_every_bad_list(in_c: bool, monkeypatch) -> None:
     """Every strategy of the page check (one pass in C; numpy's pool-sized marks or
     per-thread stamps) agrees with the definition: every id in range, none twice; an
     id outside is named before a repeat anywhere."""
-    from pdctl.staging.kernels import _check_host_pages, native
+    from pdctl.staging.kernels import native
+    from pdctl.staging.kernels.pages import check_host_pages
 
     if in_c and not native.available()[0]:
         pytest.skip(f"the C library is not built here: {native.available()[1]}")
     if not in_c:
         monkeypatch.setattr(native, "check_ids", lambda ids, num_pages, out=None: None)
     with pytest.raises(ValueError, match="page index -1 is outside"):
-        _check_host_pages(np.array([1, 1, -1], dtype=np.int64), 8)
+        check_host_pages(np.array([1, 1, -1], dtype=np.int64), 8)
     with pytest.raises(ValueError, match="page index 3 appears more than once"):
-        _check_host_pages(np.array([5, 3, 0, 3, 5], dtype=np.int64), 8)
+        check_host_pages(np.array([5, 3, 0, 3, 5], dtype=np.int64), 8)
 
     @settings(max_examples=200, deadline=None)
     @given(
@@ -317,24 +318,24 @@ def test_host_page_checks_catch_every_bad_list(in_c: bool, monkeypatch) -> None:
         num_pages=st.sampled_from([40, 64, 5000, 1 << 16]),  # small pools and large ones
     )
     def check(pages: list[int], num_pages: int) -> None:
-        _check_pages_against_the_definition(_check_host_pages, pages, num_pages)
+        _check_pages_against_the_definition(check_host_pages, pages, num_pages)
 
     check()
 
 
-def _check_pages_against_the_definition(_check_host_pages, pages, num_pages) -> None:  # type: ignore[no-untyped-def]
+def _check_pages_against_the_definition(check_host_pages, pages, num_pages) -> None:  # type: ignore[no-untyped-def]
     array = np.array(pages, dtype=np.int64)
     outside = any(p < 0 or p >= num_pages for p in pages)
     repeated = len(set(pages)) != len(pages)
     if outside:
         with pytest.raises(ValueError, match="outside the pool"):
-            _check_host_pages(array, num_pages)
+            check_host_pages(array, num_pages)
     elif repeated:
         with pytest.raises(ValueError, match="appears more than once"):
-            _check_host_pages(array, num_pages)
+            check_host_pages(array, num_pages)
     else:
-        _check_host_pages(array, num_pages)
+        check_host_pages(array, num_pages)
         for given in (array, torch.from_numpy(array)):  # numpy, or a tensor (its address)
             into = torch.full((len(pages),), -7, dtype=torch.int64)  # a replay's slot
-            _check_host_pages(given, num_pages, into)
+            check_host_pages(given, num_pages, into)
             assert into.tolist() == pages

@@ -19,7 +19,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,13 +27,12 @@ import torch
 from pdctl.staging import device as dev
 from pdctl.staging.descriptors import pointer_table
 from pdctl.staging.digest import block_digests, digests_of_sums
-from pdctl.staging.kernels import captured, native
+from pdctl.staging.kernels import captured
 from pdctl.staging.kernels.base import BufferCache, backend_names, default_backend, get_backend
 from pdctl.staging.kernels.captured import CapturedCalls
 from pdctl.staging.kernels.kvset import WORD_DTYPES, KVInfo, KVSet, describe_kv, prepare_kv
+from pdctl.staging.kernels.pages import PageIndices, checked_pages, host_ids, upload_pages
 from pdctl.staging.layout import HeadSlice
-
-PageIndices = torch.Tensor | Sequence[int] | np.ndarray
 
 
 def _check_heads(start: int, count: int, info: KVInfo, what: str) -> None:
@@ -41,93 +40,6 @@ def _check_heads(start: int, count: int, info: KVInfo, what: str) -> None:
         raise ValueError(
             f"{what} heads [{start}, {start + count}) are outside the {info.num_heads} KV heads"
         )
-
-
-def upload_pages(page_indices: PageIndices, page_size: int, info: KVInfo) -> torch.Tensor:
-    """Page ids -> int64 tensor on the KV device; host inputs are range- and duplicate-checked.
-
-    A pinned host tensor uploads asynchronously; ids already on the device are
-    taken as they are (checking them would need a device synchronize).
-    """
-    return checked_pages(page_indices, page_size, info).to(
-        device=info.device, dtype=torch.int64, non_blocking=True
-    )
-
-
-def checked_pages(
-    page_indices: PageIndices, page_size: int, info: KVInfo, into: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Page ids as a 1-D integer tensor where they are; host ids range- and
-    duplicate-checked, and copied to `into` (int64, as long) where it is given."""
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    pages = torch.as_tensor(page_indices)
-    if pages.dim() != 1 or pages.dtype.is_floating_point or pages.dtype == torch.bool:
-        raise ValueError(
-            f"page_indices must be a 1-D integer sequence, got {pages.dtype} {tuple(pages.shape)}"
-        )
-    if pages.device.type == "cpu" and pages.numel():
-        _check_host_pages(pages, info.pool_tokens // page_size, into)
-    return pages
-
-
-_SCRATCH = threading.local()  # per thread: page-check stamps and digest scratch
-
-
-def _scratch(num_pages: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-    stamps: np.ndarray | None = getattr(_SCRATCH, "stamps", None)
-    order: np.ndarray | None = getattr(_SCRATCH, "order", None)
-    if stamps is None or len(stamps) < num_pages:
-        stamps = _SCRATCH.stamps = np.empty(max(num_pages, 1024), dtype=np.int32)
-    if order is None or len(order) < count:
-        order = _SCRATCH.order = np.arange(max(count, 1024), dtype=np.int32)
-    return stamps, order[:count]
-
-
-def _check_host_pages(
-    ids: np.ndarray | torch.Tensor, num_pages: int, into: torch.Tensor | None = None
-) -> None:
-    """Range and duplicate check (this runs on every host page list), and the ids'
-    copy to `into` (an int64 CPU tensor as long) where it is given, in the same pass
-    where the check runs in C.
-
-    A pool at most 16x the list: mark a pool-sized bool array and count (two fast
-    passes). A larger pool (a million pages): each position stamps its page with its
-    own index in a per-thread scratch array; a page named twice keeps only the later
-    stamp, so reading the stamps back differs exactly where ids repeat, and nothing
-    proportional to the pool is touched.
-    """
-    found = native.check_ids(ids, num_pages, into)  # one pass in C, where it is built
-    if found is not None and found[0] < 0:
-        return  # the common case: every id good (and copied)
-    pages = ids.numpy() if isinstance(ids, torch.Tensor) else ids
-    if found is None and into is not None:  # not built, or ids of another integer type
-        into.numpy()[:] = pages
-    if found is not None:
-        position, repeated = found
-        if not repeated:
-            _raise_outside(pages, num_pages)
-        raise ValueError(f"page index {int(pages[position])} appears more than once")
-    if int(pages.min()) < 0 or int(pages.max()) >= num_pages:
-        _raise_outside(pages, num_pages)
-    if num_pages <= 16 * len(pages):
-        seen = np.zeros(num_pages, dtype=np.bool_)
-        seen[pages] = True
-        unique = np.count_nonzero(seen) == len(pages)
-    else:
-        stamps, order = _scratch(num_pages, len(pages))
-        stamps[pages] = order
-        unique = np.array_equal(stamps[pages], order)
-    if not unique:
-        values, counts = np.unique(pages, return_counts=True)
-        raise ValueError(f"page index {int(values[counts > 1][0])} appears more than once")
-
-
-def _raise_outside(pages: np.ndarray, num_pages: int) -> NoReturn:
-    low, high = int(pages.min()), int(pages.max())
-    raise ValueError(
-        f"page index {low if low < 0 else high} is outside the pool's {num_pages} pages"
-    )
 
 
 def _word_bytes(kvset: KVSet, block: torch.Tensor) -> int:
@@ -323,47 +235,12 @@ def _replayed(
     key = (*params, id(k_buffers), id(v_buffers), *memory, count, page_size)
     return CAPTURED.arm(
         key, (k_buffers, v_buffers), staging.device,
-        lambda into: _host_ids(k_buffers, v_buffers, page_indices, page_size, into), eager,
+        lambda into: host_ids(k_buffers, v_buffers, page_indices, page_size, into), eager,
         page_indices,
     )()  # fmt: skip
 
 
-def _host_ids(
-    k_buffers: Sequence[torch.Tensor],
-    v_buffers: Sequence[torch.Tensor],
-    page_indices: PageIndices,
-    page_size: int,
-    into: torch.Tensor | None,
-) -> torch.Tensor:
-    """The host ids as a CPU tensor, checked as `upload_pages` checks them; written to
-    `into` (a replay's pinned slot) in the check's pass where it is given.
-
-    A replay's usual ids (a 1-D contiguous int64 CPU tensor as long as the slot) go
-    straight to the C check: every tensor property read costs about a microsecond on
-    a slow host, and this runs on every replay (the H200 host spent 31-35 us a call
-    here on 8,192 ids; docs/benchmarks.md, session 17). Anything else, and any id
-    the C check refuses, takes the full path, which raises the precise error."""
-    if (
-        into is not None
-        and type(page_indices) is torch.Tensor
-        and page_indices.dtype is torch.int64
-        and page_indices.is_cpu
-        and page_indices.dim() == 1
-        and page_indices.is_contiguous()
-        and page_size >= 1
-    ):
-        count = len(page_indices)
-        slot_fits = into.dtype is torch.int64 and into.is_contiguous() and into.numel() == count
-        if count and slot_fits and len(k_buffers):  # the C check writes `count` words
-            # the KV lists are the very tensors the slot's shape was captured with
-            # (`captured._Shape.names`), so their first dimension is the pool's tokens
-            num_pages = k_buffers[0].shape[0] // page_size
-            found = native.check_at(page_indices.data_ptr(), count, num_pages, into.data_ptr())
-            if found is not None and found[0] < 0:
-                return into
-    pages = checked_pages(page_indices, page_size, prepare_kv(k_buffers, v_buffers).info, into)
-    return into if into is not None else pages.to(torch.int64)
-
+_DIGEST_SCRATCH = threading.local()  # per thread: scratch for digests gathered first
 
 _DIGEST_TABLES: BufferCache[torch.Tensor] = BufferCache(
     lambda views: pointer_table(views, views[0].device)
@@ -492,9 +369,9 @@ def check_segments(segments: Sequence[tuple[int, int]], num_pages: int) -> None:
 def _digest_scratch(device: torch.device, nbytes: int) -> torch.Tensor:
     """`nbytes` of this thread's scratch on `device`, grown when too small (its pages
     stay touched: a fresh allocation per segment would fault them in every time)."""
-    if not hasattr(_SCRATCH, "digest"):
-        _SCRATCH.digest = {}
-    cache: dict[torch.device, torch.Tensor] = _SCRATCH.digest
+    if not hasattr(_DIGEST_SCRATCH, "digest"):
+        _DIGEST_SCRATCH.digest = {}
+    cache: dict[torch.device, torch.Tensor] = _DIGEST_SCRATCH.digest
     buffer = cache.get(device)
     if buffer is None or buffer.numel() < nbytes:
         buffer = cache[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -504,7 +381,9 @@ def _digest_scratch(device: torch.device, nbytes: int) -> torch.Tensor:
 __all__ = [
     "KVInfo",
     "KVSet",
+    "PageIndices",
     "PendingDigests",
+    "checked_pages",
     "describe_kv",
     "gather_all_layers_to_staging",
     "page_digests",

@@ -30,11 +30,9 @@ from pdctl.staging.doorbell import SUMS
 from pdctl.staging.kernels import (
     _ALIGNED,
     _DIGEST_TABLES,
-    PageIndices,
     PendingDigests,
     _backend_for,
     _check_heads,
-    _check_host_pages,
     captured,
     check_segments,
     prepare_kv,
@@ -42,6 +40,7 @@ from pdctl.staging.kernels import (
 )
 from pdctl.staging.kernels.captured import CapturedCalls, CudaSlot, Eager, capture_slots
 from pdctl.staging.kernels.kvset import KVInfo
+from pdctl.staging.kernels.pages import PageIndices, check_host_pages
 
 P = ParamSpec("P")
 
@@ -443,7 +442,7 @@ def _page_ids(pages: PageIndices, num_pages: int) -> np.ndarray | torch.Tensor:
         if ids.ndim != 1:
             raise ValueError(f"page ids must be a 1-D integer sequence, got shape {ids.shape}")
     if len(ids):
-        _check_host_pages(ids, num_pages)
+        check_host_pages(ids, num_pages)
     return ids
 
 
