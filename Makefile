@@ -35,6 +35,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check pdctl tests benchmarks
 	$(VENV)/bin/ruff check pdctl tests benchmarks
 	$(VENV)/bin/mypy
+	$(PY) -m pytest -q tests/test_architecture.py  # the structure rules (file sizes, seams)
 
 format: setup
 	$(VENV)/bin/ruff format pdctl tests benchmarks
