@@ -18,19 +18,32 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def set_parent_death_signal() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class ChildProcess(Protocol):
+    """A process a run started, as the run holds it: spawned (`subprocess.Popen`) or
+    forked from the run's forkserver (`forking.ForkedProcess`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 @dataclass
 class Spawned:
     name: str
-    process: subprocess.Popen[bytes]
+    process: ChildProcess
     log_path: Path
 
     @property
@@ -87,7 +100,7 @@ def spawn(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent if die_with_parent else None,
+            preexec_fn=set_parent_death_signal if die_with_parent else None,
             cwd=cwd,
         )
     return Spawned(name, process, log_path)
@@ -139,7 +152,7 @@ def pid_alive(pid: int, started: int | None = None) -> bool:
 
 
 def stop_groups(
-    pgids: Sequence[int], grace: float = 5.0, reap: Sequence[subprocess.Popen[bytes]] = ()
+    pgids: Sequence[int], grace: float = 5.0, reap: Sequence[ChildProcess] = ()
 ) -> list[int]:
     """TERM each group, wait up to `grace`, KILL what is left, reap; groups still alive."""
     for pgid in pgids:

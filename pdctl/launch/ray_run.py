@@ -22,6 +22,7 @@ from pdctl.launch.run import LaunchFailed, ProcessState, Run
 class RayRun(Run):
     def __init__(self, plan: LaunchPlan, *args: Any, **kwargs: Any) -> None:
         super().__init__(plan, *args, **kwargs)
+        self.starter.forks = False  # its servers start on the cluster's nodes
         self.ray: RayPlacement | None = None
         self.remote_ports: dict[str, int] = {}  # ports reserved on each process's node
         self.nodes: dict[str, Any] = {}  # process -> {ip, node_id, hostname}

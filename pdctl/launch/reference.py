@@ -22,7 +22,6 @@ from pdctl.engines.base import render_command
 from pdctl.launch.loopback import confine
 from pdctl.launch.plan import ProcessPlan
 from pdctl.launch.ports import Allocation, allocate
-from pdctl.launch.processes import spawn
 from pdctl.launch.readiness import check
 from pdctl.launch.stages import LaunchFailed, ProcessState
 from pdctl.topology.resolve import FAULTS_VAR, faults_of
@@ -56,6 +55,7 @@ def spawn_reference(run: Run, tp: int = 1) -> StartingReference:
     plan = ProcessPlan("reference", "colocated", 0, (), spec.slots, (), spec.command, spec.probes)
     state = ProcessState(plan, f"http://{run.host}:{ports.ports['reference.http']}")
     env = {**run.parent_env, "PDCTL_LOG_DIR": str(run.dir), "PDCTL_PROCESS_NAME": "reference"}
+    env.setdefault("PYTHONUNBUFFERED", "1")  # as the run's servers: its log as it happens
     faults = faults_of(topology, "colocated")  # engine faults: the reference has them too
     if faults:
         env[FAULTS_VAR] = json.dumps(faults)
@@ -63,7 +63,7 @@ def spawn_reference(run: Run, tp: int = 1) -> StartingReference:
     run.dir.mkdir(parents=True, exist_ok=True)
     argv = render_command(spec.command, ports.ports)
     try:
-        state.spawned = spawn(
+        state.spawned = run.starter.spawn(
             "reference", argv, env, run.dir / "reference-tp0.log", die_with_parent=not run.detach
         )
     except BaseException:

@@ -25,11 +25,12 @@ import httpx
 
 from pdctl.engines.base import render_command
 from pdctl.launch import state as run_state
+from pdctl.launch.forking import Starter, forks_by_default
 from pdctl.launch.listeners import Listener, listeners
 from pdctl.launch.loopback import confine, is_loopback
 from pdctl.launch.plan import LaunchPlan, ProcessPlan
 from pdctl.launch.ports import Allocation, allocate
-from pdctl.launch.processes import spawn, start_time, stop_groups
+from pdctl.launch.processes import start_time, stop_groups
 from pdctl.launch.readiness import wait_ready
 from pdctl.launch.reference import StartingReference, spawn_reference, start_reference
 from pdctl.launch.stages import STAGES, LaunchFailed, ProcessState
@@ -72,6 +73,10 @@ class Run:
         self.state_path: Path | None = None
         self.warnings: list[str] = []  # what the run could not do as asked (not fatal)
         self.hosts: dict[str, str] = {}  # process -> its address, where not the topology's host
+        # the embedded servers of an attached CPU run are forked from one process that
+        # imported them once (`forking`); the rest is spawned
+        forks = not detach and forks_by_default(topology.device, self.parent_env)
+        self.starter = Starter(topology.name, self.dir, forks=forks)
 
     # -- what the run is -------------------------------------------------------------
     @property
@@ -127,6 +132,7 @@ class Run:
             "canary": self.canary,
             "warnings": self.warnings,
             "ports": self.ports,
+            "forkserver": self.starter.describe(),
             "processes": [
                 {
                     "name": s.plan.name,
@@ -183,7 +189,7 @@ class Run:
         try:
             for state in self.states:
                 argv = render_command(state.plan.command, self.ports)
-                state.spawned = spawn(
+                state.spawned = self.starter.spawn(
                     state.plan.name,
                     argv,
                     self.env_for(state.plan),
@@ -193,6 +199,8 @@ class Run:
         except OSError as exc:
             self.stop()
             raise LaunchFailed(f"could not start {state.plan.name}: {exc}") from None
+        if self.starter.warning and self.starter.warning not in self.warnings:
+            self.warnings.append(self.starter.warning)
         self.write_state()
 
     def wait_ready(
@@ -282,6 +290,7 @@ class Run:
         """End every process group of this run (router first); names of any left alive."""
         spawned = [s.spawned for s in reversed(self.states) if s.spawned is not None]
         left = stop_groups([p.pid for p in spawned], grace, [p.process for p in spawned])
+        self.starter.close()  # after its servers: they die with it
         if self.allocation is not None:
             self.allocation.release()
         if self.state_path is not None and not left:

@@ -39,10 +39,11 @@ def runs(env: dict[str, str]) -> list[dict]:
 
 
 def recorded_pgids(env: dict[str, str]) -> list[int]:
+    """The process groups a run recorded: its processes', and its forkserver's."""
     directory = Path(env["PDCTL_STATE_DIR"]) / "runs"
-    return [
-        p["pgid"] for f in directory.glob("*.json") for p in json.loads(f.read_text())["processes"]
-    ]
+    records = [json.loads(f.read_text()) for f in directory.glob("*.json")]
+    forkservers = [r["forkserver"]["pid"] for r in records if r.get("forkserver")]
+    return [p["pgid"] for r in records for p in r["processes"]] + forkservers
 
 
 def wait_gone(pgids: list[int], timeout: float = 15.0) -> None:
@@ -210,7 +211,7 @@ def test_no_process_survives_pdctl(
 ) -> None:
     process = start_blocking(env, make_topology())
     pids = all_pids(env)
-    assert len(pids) == 4  # prefill, decode rank 0 and 1, router
+    assert len(pids) == 5  # prefill, decode rank 0 and 1, router; the forkserver
     process.send_signal(signum)
     _, err = process.communicate(timeout=30)
     if signum != signal.SIGKILL:

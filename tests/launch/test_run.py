@@ -46,6 +46,7 @@ def test_default_topology_serves_then_leaves_nothing(
         assert logs == [
             "decode-0-tp0.log",
             "decode-0-tp1.log",
+            "forkserver.log",  # the servers are forked from it (tests/launch/test_forking.py)
             "prefill-0-tp0.log",
             "router-tp0.log",
         ]
