@@ -1,8 +1,14 @@
-"""Real server processes on loopback for the serve tests."""
+"""Real server processes on loopback for the serve tests.
+
+They start as pdctl's launcher starts a CPU run's servers: forked from a forkserver
+that imported the server's modules once (one per test worker, `pdctl.launch.forking`),
+or spawned where forking would differ (another environment read at import)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,9 +16,31 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
+
+from pdctl.launch.forking import Starter, forks_by_default
+from pdctl.launch.processes import ChildProcess
+
+_STARTERS: list[Starter] = []
+
+
+def starter() -> Starter:
+    """This worker's starter, made at its first server (on the main thread, which the
+    forkserver's parent-death signal follows) and closed when the worker exits."""
+    if not _STARTERS:
+        directory = Path(tempfile.mkdtemp(prefix="pdctl-test-servers-"))
+        made = Starter("tests", directory, forks=forks_by_default("cpu", os.environ))
+
+        def close() -> None:
+            made.close()
+            shutil.rmtree(directory, ignore_errors=True)
+
+        atexit.register(close)
+        _STARTERS.append(made)
+    return _STARTERS[0]
 
 
 def free_port() -> int:
@@ -26,8 +54,9 @@ def free_port() -> int:
 @dataclass
 class Server:
     url: str
-    process: subprocess.Popen[bytes]
-    log: object
+    process: ChildProcess
+    log: object  # the log, open for reading
+    log_path: Path | None = None  # removed when the server stops
 
     def log_tail(self, size: int = 3000) -> str:
         self.log.seek(0)  # type: ignore[attr-defined]
@@ -50,6 +79,8 @@ class Server:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self.log.close()  # type: ignore[attr-defined]
+        if self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
 
 
 def start_server(
@@ -90,15 +121,11 @@ def spawn_server(
     ]
     if tp > 1:
         argv += ["--dist-port", str(free_port())]
-    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by Server.stop)
-    process = subprocess.Popen(
-        [*argv, *extra],
-        stdout=log,
-        stderr=log,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
-    return Server(f"http://127.0.0.1:{port}", process, log)
+    handle, name = tempfile.mkstemp(prefix=f"pdctl-test-{role}-", suffix=".log")
+    log = os.fdopen(handle, "rb")  # closed by Server.stop
+    path = Path(name)
+    spawned = starter().spawn(role, [*argv, *extra], {**os.environ, **(env or {})}, path)
+    return Server(f"http://127.0.0.1:{port}", spawned.process, log, path)
 
 
 def wait_healthy(server: Server, timeout: float = 120.0) -> None:
