@@ -71,8 +71,11 @@ def main() -> None:
         print(f"median {way:8s} launch {values['launch_s']:.2f} s  wall {values['wall_s']:.2f} s"
               f"  cpu {values['cpu_s']:.2f} s")  # fmt: skip
     forked, spawned = medians["forked"], medians["spawned"]
-    print(f"forked / spawned: launch {forked['launch_s'] / spawned['launch_s']:.2f}, wall "
-          f"{forked['wall_s'] / spawned['wall_s']:.2f}, cpu {forked['cpu_s'] / spawned['cpu_s']:.2f}")  # fmt: skip
+    ratios = ", ".join(
+        f"{what} {forked[key] / spawned[key]:.2f}"
+        for what, key in (("launch", "launch_s"), ("wall", "wall_s"), ("cpu", "cpu_s"))
+    )
+    print(f"forked / spawned: {ratios}")
 
 
 if __name__ == "__main__":
