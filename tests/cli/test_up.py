@@ -117,7 +117,7 @@ def test_two_copies_of_one_topology_at_once(
     urls = [p["url"] for r in both for p in r["processes"]]
     assert len(set(urls)) == len(urls)  # no port shared
     pgids = recorded_pgids(env)
-    assert pdctl(env, "down", "--all").returncode == 0
+    assert pdctl(env, "down", "test-topology").returncode == 0  # both copies, by topology
     assert not any(group_alive(g) for g in pgids)
 
 

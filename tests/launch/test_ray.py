@@ -145,7 +145,7 @@ def test_up_detach_status_logs_down(cluster: Any, env: dict[str, str], tmp_path:
         both = pdctl(env, "logs", "ray-p1d2", "--lines", "3")
         assert "(on its node)" in both.stdout and "prefill-0-tp0.log" in both.stdout, both.stdout
     finally:
-        down = pdctl(env, "down", "--all")
+        down = pdctl(env, "down", "ray-p1d2")
     assert down.returncode == 0, down.stderr
     # `pdctl down` from another process ended the servers, then copied node b's logs here
     assert sorted(p.name for p in run_dir.glob("decode-*.log")) == [

@@ -146,7 +146,7 @@ def test_verify_a_running_topology_and_a_router_url(
                                 text=True, timeout=60)  # fmt: skip
         assert json.loads(status.stdout)[0]["state"] == "up"  # verify left it running
     finally:
-        subprocess.run([*PDCTL, "down", "--all", "-q"], env=env, timeout=60)
+        subprocess.run([*PDCTL, "down", "test-topology", "-q"], env=env, timeout=60)
 
 
 def test_usage_errors_are_clear(env: dict[str, str], make_topology: Callable[..., Path]) -> None:
