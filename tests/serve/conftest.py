@@ -124,7 +124,9 @@ def spawn_server(
     handle, name = tempfile.mkstemp(prefix=f"pdctl-test-{role}-", suffix=".log")
     log = os.fdopen(handle, "rb")  # closed by Server.stop
     path = Path(name)
-    spawned = starter().spawn(role, [*argv, *extra], {**os.environ, **(env or {})}, path)
+    environment = {**os.environ, **(env or {})}
+    environment.pop("PYTEST_CURRENT_TEST", None)  # pytest's, a new value each phase
+    spawned = starter().spawn(role, [*argv, *extra], environment, path)
     return Server(f"http://127.0.0.1:{port}", spawned.process, log, path)
 
 
