@@ -170,16 +170,16 @@ class HeldUpload:
     def __init__(self, calls: _Driver, device: torch.device) -> None:
         self._calls = calls
         self.stream = torch.cuda.Stream(device)  # cuda-only: a CUDA stream
-        self._stream = stream_handle(self.stream)
+        self.stream_handle = stream_handle(self.stream)
         self.done = HeldEvent(calls, device, CU_EVENT_DISABLE_TIMING)
 
     def copy(self, target: int, source: int, nbytes: int, before: int) -> None:
         """`nbytes` from pinned host address `source` to device address `target`, on the
         upload stream; the stream with handle `before` waits for them (nothing else)."""
         calls = self._calls
-        copied = calls.copy_to_device(target, source, nbytes, self._stream)
+        copied = calls.copy_to_device(target, source, nbytes, self.stream_handle)
         calls.check(copied, "cuMemcpyHtoDAsync")
-        self.done.record(self._stream)
+        self.done.record(self.stream_handle)
         calls.check(calls.stream_wait(before, self.done.handle, 0), "cuStreamWaitEvent")
 
 
@@ -200,11 +200,11 @@ class HeldGraph:
     executable's handle read once (torch instantiates it when the capture ends)."""
 
     def __init__(self, calls: _Driver, executable: int) -> None:
-        self._calls, self._executable = calls, ctypes.c_void_p(executable)
+        self._calls, self.executable = calls, ctypes.c_void_p(executable)
 
     def launch(self, stream: int) -> None:
         """On the stream with this handle (`current_stream_handle`)."""
-        self._calls.check(self._calls.graph_launch(self._executable, stream), "cuGraphLaunch")
+        self._calls.check(self._calls.graph_launch(self.executable, stream), "cuGraphLaunch")
 
 
 def held_graph(graph: Any) -> HeldGraph | None:

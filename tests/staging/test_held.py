@@ -117,3 +117,52 @@ def test_a_held_record_does_not_wait_for_a_thread_holding_the_gil() -> None:
         sys.setswitchinterval(switch)
     assert given_away > 20 * 0.001  # the spinning thread really contends
     assert kept < given_away / 2, (kept, given_away)
+
+
+def test_a_replay_in_one_call_makes_the_five_driver_calls_in_order() -> None:
+    """`held_replay.c` with stand-ins for libcuda's entry points (on any machine): the
+    copy ahead, its event, the launching stream's wait, the launch, the slot's event,
+    in that order with the slot's handles; a failing call is named with its error,
+    and nothing after it runs."""
+    from pdctl.staging import held_replay
+
+    function, why = held_replay.replay_function()
+    if function is None:
+        pytest.skip(f"no C compiler here: {why}")
+    calls: list[tuple[object, ...]] = []
+    failing: dict[str, int] = {}
+
+    def make(name: str, *argtypes: object) -> object:
+        def stand_in(*args: object) -> int:
+            calls.append((name, *args))
+            return failing.get(name, 0)
+
+        return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(stand_in)  # type: ignore[arg-type]
+
+    p, u = ctypes.c_void_p, ctypes.c_uint
+    stand_ins = (
+        make("copy", ctypes.c_uint64, p, ctypes.c_size_t, p),
+        make("record", p, p),
+        make("wait", p, p, u),
+        make("launch", p, p),
+    )
+    args = held_replay.ReplayArgs(
+        *(held_replay.address(f) for f in stand_ins), 0xD000, 0x4000, 65536, 0x51, 0xE1, 0x61,
+        0xE2,
+    )  # fmt: skip
+    replay = held_replay.HeldReplay(function, args, stand_ins)
+    replay.replay(0x5A)
+    assert calls == [
+        ("copy", 0xD000, 0x4000, 65536, 0x51),  # the ids, on the upload stream
+        ("record", 0xE1, 0x51),  # behind the copy
+        ("wait", 0x5A, 0xE1, 0),  # the launching stream waits for it, nothing else
+        ("launch", 0x61, 0x5A),
+        ("record", 0xE2, 0x5A),  # the slot's event behind the graph
+    ]
+    for name, step, error in (("wait", "cuStreamWaitEvent", 400), ("launch", "cuGraphLaunch", 719)):
+        calls.clear()
+        failing.clear()
+        failing[name] = error
+        with pytest.raises(RuntimeError, match=f"{step} failed with error {error}"):
+            replay.replay(0x5A)
+        assert calls[-1][0] == name  # nothing ran after the failing call

@@ -15,7 +15,9 @@ itself (a kernel reading the host memory, `kernels.upload`; a copy with
 PDCTL_STAGING_UPLOAD_KERNEL=0 or where the kernel cannot run). A
 shape dropped (the least recently used, or its key named other tensors) first waits
 for its replays.
-A replay reads the ids the host wrote to the slot just before.
+A replay reads the ids the host wrote to the slot just before. The upload ahead, the
+launch and the events around them are one call into C where it builds
+(`held_replay`), five driver calls Python otherwise makes one by one.
 
 Each call shape keeps a ring of SLOTS graphs, each with its own pinned ids and
 device ids, and an event recorded behind each replay: a slot is written again only
@@ -43,6 +45,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 
 from pdctl.staging import held
+from pdctl.staging.held_replay import held_replay
 from pdctl.staging.kernels.base import keeping
 
 log = logging.getLogger("pdctl.staging")
@@ -145,6 +148,11 @@ class CudaSlot:
         if self.launcher is None and self.ahead is not None:  # cannot happen with a driver
             raise RuntimeError("an upload ahead needs the graph launched through the driver")
         self.upload_args = (self.device_ids.data_ptr(), self.ids.data_ptr(), self.ids.nbytes)
+        # the upload, launch and events of a replay in one call into C, where it builds
+        self.one_call = None
+        if self.launcher is not None and self.ahead is not None:
+            assert isinstance(self.done, held.HeldEvent)
+            self.one_call = held_replay(self.ahead, self.launcher, self.done, self.upload_args)
 
     def body(self, eager: Eager, device_ids: torch.Tensor) -> Any:
         """What the graph holds, run once under capture: the call on the device ids."""
@@ -154,7 +162,9 @@ class CudaSlot:
         """The graph launched on the current stream, and the event behind it recorded:
         through the driver with the GIL kept where it is at hand (`staging.held`), the
         stream read as a handle."""
-        if self.launcher is not None:
+        if self.one_call is not None:
+            self.one_call.replay(held.current_stream_handle(self.index))
+        elif self.launcher is not None:
             handle = held.current_stream_handle(self.index)
             if self.ahead is not None:  # the ids, by the copy engine, before the graph
                 self.ahead.copy(*self.upload_args, handle)
