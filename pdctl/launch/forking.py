@@ -246,7 +246,8 @@ class Starter:
 
     def _give_up(self, why: str) -> None:
         self.forks = False
-        self.warning = f"servers are spawned, not forked: forkserver: {why}"
+        log = self.log_dir / "forkserver.log"
+        self.warning = f"servers are spawned, not forked: forkserver: {why} (its log: {log})"
 
     def describe(self) -> dict[str, Any] | None:
         """The forkserver's pid and start time while it runs (for run.json), else None."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pdctl.launch import forking
 from pdctl.launch.forking import ForkedProcess, Starter, import_env
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.processes import group_alive, pid_alive
@@ -127,5 +128,29 @@ def test_a_forkserver_that_dies_takes_its_servers_with_it(tmp_path: Path) -> Non
         while pid_alive(held.pid):  # the parent-death signal ended it
             assert time.monotonic() < deadline, "the forked server outlived its forkserver"
             time.sleep(0.05)
+    finally:
+        starter.close()
+
+
+def test_a_forkserver_that_cannot_start_leaves_the_servers_spawned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forkserver that dies before it is ready (here: one that exits at once) costs
+    nothing but the fork: the server is spawned, and the run's warning says why."""
+    real = forking.spawn_control
+
+    def dying(argv: list[str], env: object, stderr: object) -> object:
+        return real([sys.executable, "-c", "import sys; sys.exit(3)"], env, stderr)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(forking, "spawn_control", dying)
+    starter = Starter("forking-test", tmp_path, forks=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        bad = starter.spawn("bad", [*SERVE, "--role", "nonsense"], env, tmp_path / "bad.log")
+        assert isinstance(bad.process, subprocess.Popen)
+        assert bad.process.wait(60) == 2
+        assert starter.warning is not None and "exited while importing" in starter.warning
+        assert str(tmp_path / "forkserver.log") in starter.warning
+        assert not starter.forks  # given up for the rest of the run
     finally:
         starter.close()
