@@ -131,11 +131,16 @@ class ForkServer:
             if self._gone:
                 raise ForkServerError("the forkserver has exited")
             self._next_id += 1
-            request = {"id": self._next_id, "args": list(argv[3:]), "env": dict(env)}
+            request = {
+                "id": self._next_id,
+                "args": list(argv[3:]),
+                "env": dict(env),
+                "log": str(log),
+            }
             self._replies[self._next_id] = reply
             assert self.process.stdin is not None
             try:
-                self.process.stdin.write((json.dumps({**request, "log": str(log)}) + "\n").encode())
+                self.process.stdin.write((json.dumps(request) + "\n").encode())
                 self.process.stdin.flush()
             except OSError as exc:
                 raise ForkServerError(f"the forkserver's pipe: {exc}") from None

@@ -29,7 +29,6 @@ the driver cannot use the device, and the servers spawn there as before.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import importlib
 import json
@@ -41,9 +40,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import pdctl.serve.__main__ as serve_main
+from pdctl.serve.ranks import die_with_parent
+
 # What a server of any role imports before it reads its arguments' consequences.
-PRELOADED = (
-    "pdctl.serve.__main__",
+PRELOADED = (  # pdctl.serve.__main__ (arguments, ranks) is imported above
     "pdctl.serve.runtime",
     "pdctl.serve.model.weights",
     "pdctl.serve.roles.colocated",
@@ -51,8 +52,6 @@ PRELOADED = (
     "pdctl.serve.roles.decode",
     "pdctl.serve.router",
 )
-
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -74,13 +73,6 @@ def _send(message: dict[str, Any]) -> None:
     data = (json.dumps(message) + "\n").encode()
     while data:
         data = data[os.write(1, data) :]
-
-
-def _die_with_parent(parent: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent ended before the signal was set
-        os._exit(1)
 
 
 def _reap(children: set[int]) -> None:
@@ -150,7 +142,9 @@ def become(request: ForkRequest, started: int, parent: int) -> None:
     (`started` closed once the session and the parent-death signal are in place)."""
     try:
         os.setsid()
-        _die_with_parent(parent)
+        die_with_parent()
+        if os.getppid() != parent:  # the forkserver ended before the signal was set
+            os._exit(1)
         os.close(started)
         log = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
@@ -161,8 +155,6 @@ def become(request: ForkRequest, started: int, parent: int) -> None:
         os.close(log)
         os.environ.clear()
         os.environ.update(request.env)
-        import pdctl.serve.__main__ as serve_main
-
         sys.argv = [serve_main.__file__, *request.args]
     except BaseException as exc:
         os.write(2, f"pdctl forkserver: could not start the server: {exc!r}\n".encode())
@@ -191,9 +183,7 @@ def main() -> None:
     parent = os.getpid()
     request, started = serve_forks()
     become(request, started, parent)
-    from pdctl.serve.__main__ import main as serve
-
-    serve(request.args)
+    serve_main.main(request.args)
     gc.freeze()  # as `python -m pdctl.serve` ends: no final collection of torch's objects
 
 

@@ -53,7 +53,7 @@ def forks_ranks(args: ServerArgs, environ: dict[str, str]) -> bool:
     )
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # in a child, after fork (and before exec, if any)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
@@ -112,7 +112,7 @@ def fork_ranks(world: int, env: dict[str, str]) -> tuple[int, list[RankProcess]]
         pid = os.fork()
         if pid == 0:
             try:
-                _die_with_parent()
+                die_with_parent()
                 if os.getppid() != parent:  # rank 0 ended before the death signal was set
                     os._exit(1)
                 if log is not None:
@@ -144,7 +144,7 @@ def spawn_ranks(world: int, argv: list[str], env: dict[str, str]) -> list[RankPr
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT if log else None,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,
                 )
             )
         finally:

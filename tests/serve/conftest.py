@@ -7,6 +7,7 @@ or spawned where forking would differ (another environment read at import)."""
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import signal
@@ -24,23 +25,20 @@ import pytest
 from pdctl.launch.forking import Starter, forks_by_default
 from pdctl.launch.processes import ChildProcess
 
-_STARTERS: list[Starter] = []
 
-
+@functools.cache
 def starter() -> Starter:
     """This worker's starter, made at its first server (on the main thread, which the
     forkserver's parent-death signal follows) and closed when the worker exits."""
-    if not _STARTERS:
-        directory = Path(tempfile.mkdtemp(prefix="pdctl-test-servers-"))
-        made = Starter("tests", directory, forks=forks_by_default("cpu", os.environ))
+    directory = Path(tempfile.mkdtemp(prefix="pdctl-test-servers-"))
+    made = Starter("tests", directory, forks=forks_by_default("cpu", os.environ))
 
-        def close() -> None:
-            made.close()
-            shutil.rmtree(directory, ignore_errors=True)
+    def close() -> None:
+        made.close()
+        shutil.rmtree(directory, ignore_errors=True)
 
-        atexit.register(close)
-        _STARTERS.append(made)
-    return _STARTERS[0]
+    atexit.register(close)
+    return made
 
 
 def free_port() -> int:
