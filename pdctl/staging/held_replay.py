@@ -11,6 +11,11 @@ about 62 us for a 28 x 2 x 128 scatter and the host 75-85 us to issue one
 built from `held_replay.c` with the host's compiler, as the CPU staging copy is
 (`kernels.native.build`); the entry points are libcuda's, handed over as addresses.
 
+`HeldReplay.replay_checked` does the replay's host work first in the same call: the
+slot's event queried, the call's page ids checked and written into the slot (the C
+page check of `kernels.native`, the same code the Python path calls). What it cannot
+do there, it says (`SLOT_BUSY`, `FEW_STAMPS`, `IDS_REFUSED`) and the caller does it.
+
 `held_replay(...)` gives a `HeldReplay` where the library builds and the driver is
 loaded, else None (the caller makes the calls one by one);
 PDCTL_STAGING_REPLAY_IN_C=0 turns it off.
@@ -22,17 +27,21 @@ import ctypes
 import functools
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pdctl.staging.held import HeldEvent, HeldGraph, HeldUpload, driver
+from pdctl.staging.kernels.native import STAMPS, check_function
 
 log = logging.getLogger("pdctl.staging")
 
 SOURCE = Path(__file__).with_name("held_replay.c")
 ENABLED = os.environ.get("PDCTL_STAGING_REPLAY_IN_C", "1") != "0"
 STEPS = ("cuMemcpyHtoDAsync", "cuEventRecord (upload)", "cuStreamWaitEvent", "cuGraphLaunch",
-         "cuEventRecord")  # fmt: skip
+         "cuEventRecord", "cuEventQuery")  # fmt: skip
+# what pdctl_checked_replay leaves to its caller (held_replay.c), besides REPLAYED = 0
+SLOT_BUSY, FEW_STAMPS, IDS_REFUSED = 1, 2, 3
 
 
 class ReplayArgs(ctypes.Structure):
@@ -50,22 +59,27 @@ class ReplayArgs(ctypes.Structure):
         ("uploaded", ctypes.c_void_p),
         ("graph", ctypes.c_void_p),
         ("done", ctypes.c_void_p),
+        ("query", ctypes.c_void_p),
+        ("check", ctypes.c_void_p),
+        ("count", ctypes.c_int64),
     ]
 
 
 @functools.cache
-def replay_function() -> tuple[Any, str]:
-    """(`pdctl_replay`, called keeping the GIL, or None; why not)."""
+def replay_library() -> tuple[Any, str]:
+    """(the built held_replay.c, its functions called keeping the GIL, or None; why not)."""
     from pdctl.staging.kernels.native import build
 
     try:
         library = ctypes.PyDLL(str(build(SOURCE, "staging-replay")))
     except OSError as exc:
         return None, str(exc)
-    function = library.pdctl_replay
-    function.argtypes = [ctypes.POINTER(ReplayArgs), ctypes.c_void_p]
-    function.restype = ctypes.c_int
-    return function, "built"
+    for function in (library.pdctl_replay, library.pdctl_checked_replay):
+        function.restype = ctypes.c_int
+    library.pdctl_replay.argtypes = [ctypes.c_void_p] * 2
+    library.pdctl_checked_replay.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                             ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+    return library, "built"
 
 
 def address(function: Any) -> int:
@@ -82,15 +96,40 @@ def raise_for(status: int) -> None:
 
 class HeldReplay:
     """One slot's replay (upload ahead, launch, events) in one call; the handles it
-    names stay alive as long as it does."""
+    names stay alive as long as it does. `checks`: whether `replay_checked` can run
+    (the page check was built)."""
 
-    def __init__(self, function: Any, args: ReplayArgs, keep: tuple[Any, ...]) -> None:
-        self._function, self._args, self._keep = function, args, keep
-        self._pointer = ctypes.pointer(args)
+    def __init__(self, library: Any, args: ReplayArgs, keep: tuple[Any, ...]) -> None:
+        self._function, self._args, self._keep = library.pdctl_replay, args, keep
+        self._checked = library.pdctl_checked_replay
+        self._address = ctypes.addressof(args)
+        self.checks = bool(args.check)
 
     def replay(self, stream: int) -> None:
         """On the stream with this handle (`held.current_stream_handle`)."""
-        raise_for(self._function(self._pointer, stream))
+        raise_for(self._function(self._address, stream))
+
+    def replay_checked(
+        self, ids: int, num_pages: int, stream: int, wait: Callable[[], object]
+    ) -> bool:
+        """The replay with the slot's wait and the page check before it, in the same
+        call (`pdctl_checked_replay`): the slot's count of int64 ids at address `ids`,
+        checked against a pool of `num_pages` and written to the slot's pinned ids.
+        `wait`: until the device passed the slot's last replay, the GIL given up. False
+        when an id is refused: nothing launched, the caller's own check names it."""
+        stamps = STAMPS
+        status = self._checked(self._address, ids, num_pages, stamps.ref, stream)
+        while status:
+            if status == SLOT_BUSY:
+                wait()
+            elif status == FEW_STAMPS:
+                stamps.grow(num_pages)
+            elif status == IDS_REFUSED:
+                return False
+            else:
+                raise_for(status)
+            status = self._checked(self._address, ids, num_pages, stamps.ref, stream)
+        return True
 
 
 def held_replay(
@@ -103,8 +142,8 @@ def held_replay(
     calls = driver()
     if not ENABLED or calls is None:
         return None
-    function, why = replay_function()
-    if function is None:
+    library, why = replay_library()
+    if library is None:
         log.info("staging: a replay's driver calls go one by one (%s)", why)
         return None
     device_ids, host_ids, nbytes = ids
@@ -112,5 +151,6 @@ def held_replay(
         address(calls.copy_to_device), address(calls.event_record), address(calls.stream_wait),
         address(calls.graph_launch), device_ids, host_ids, nbytes, upload.stream_handle,
         upload.done.handle.value, graph.executable.value, done.handle.value,
+        address(calls.event_query), check_function() or 0, nbytes // 8,
     )  # fmt: skip
-    return HeldReplay(function, args, (upload, graph, done))
+    return HeldReplay(library, args, (upload, graph, done))

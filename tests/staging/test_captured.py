@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdctl.staging import kernels
-from pdctl.staging.kernels import captured
+from pdctl.staging.kernels import captured, native
 from pdctl.staging.kernels.base import BufferCache, keeping
 from pdctl.staging.kernels.captured import CapturedCalls, Eager
 from pdctl.staging.kernels.pages import host_ids
@@ -35,6 +35,16 @@ class FakeSlot:
 
     def wait(self) -> None:
         self.log.append(("wait", self.index))
+
+    def replay_checked(self, address: int, num_pages: int) -> bool:
+        """As a CUDA slot's one C call does it: waited for, the ids checked and written
+        to the slot (by the same C check), replayed; refused ids launch nothing."""
+        self.wait()
+        found = native.check_at(address, len(self.ids), num_pages, self.ids.data_ptr())
+        if found is None or found[0] >= 0:
+            return False
+        self.value = self.replay()
+        return True
 
 
 def fake_capture(log: list[Any], fail: bool = False):  # type: ignore[no-untyped-def]
@@ -140,6 +150,53 @@ def test_a_replay_checks_the_ids_as_the_eager_call_does() -> None:
     assert torch.equal(staging[:nbytes].view(expected.dtype).view(expected.shape), expected)
 
 
+def test_usual_ids_replay_in_one_go_and_what_cannot_goes_the_armed_way() -> None:
+    """`replay_usual`: a captured shape's next slot checks, writes and replays a
+    replay's usual ids (int64, contiguous, on the host) in one go; a shape not yet
+    captured, other tensors, an armed slot or an id refused give MISSED (nothing
+    launched), and the armed way then names what is wrong."""
+    if not native.available()[0]:
+        pytest.skip(f"the C check is not built here: {native.available()[1]}")
+    log: list[Any] = []
+    calls = CapturedCalls(capture=fake_capture(log), sights=1)
+    k, v, staging = setup()
+    counter = [0]
+    key = ("gather", id(k), id(v), staging.data_ptr(), staging.numel(), COUNT)
+    first = torch.tensor(random_pages(POOL_PAGES, COUNT, seed=1).tolist(), dtype=torch.int64)
+    assert calls.replay_usual(key, (k, v), first.data_ptr(), POOL_PAGES) is captured.MISSED
+    for _ in range(2):  # seen, then captured (sights=1)
+        gather_via(calls, k, v, staging, first.tolist(), counter)
+    replayed = calls.replays
+    for step in range(2 * captured.SLOTS):  # around the ring twice
+        ids = torch.tensor(random_pages(POOL_PAGES, COUNT, seed=20 + step).tolist())
+        nbytes = calls.replay_usual(key, (k, v), ids.data_ptr(), POOL_PAGES)
+        expected = naive_gather(k, v, ids, PAGE, 1, 1)
+        got = staging[:nbytes].view(expected.dtype).view(expected.shape)
+        assert torch.equal(got, expected), step
+    assert calls.replays - replayed == 2 * captured.SLOTS
+    waits = [entry[1] for entry in log if entry[0] == "wait"]
+    assert waits[-2 * captured.SLOTS :] == [*range(captured.SLOTS)] * 2  # the ring in turn
+    log.clear()
+    pages = random_pages(POOL_PAGES, COUNT, seed=3).tolist()
+    for bad, message in (([pages[0]] * COUNT, "more than once"), ([-1, *pages[1:]], "outside")):
+        ids = torch.tensor(bad, dtype=torch.int64)
+        assert calls.replay_usual(key, (k, v), ids.data_ptr(), POOL_PAGES) is captured.MISSED
+        with pytest.raises(ValueError, match=message):
+            gather_via(calls, k, v, staging, ids, counter)
+    assert not [entry for entry in log if entry[0] == "replay"]  # nothing launched
+    good = torch.tensor(pages, dtype=torch.int64)
+    others = [t.clone() for t in k]  # other tensors under the same key
+    assert calls.replay_usual(key, (others, v), good.data_ptr(), POOL_PAGES) is captured.MISSED
+    usual = lambda: calls.replay_usual(key, (k, v), good.data_ptr(), POOL_PAGES)  # noqa: E731
+    armed = calls.arm(key, (k, v), staging.device, lambda into: host_ids(k, v, pages, PAGE, into),
+                      lambda ids: 0, pages)  # fmt: skip
+    for _ in range(captured.SLOTS - 1):  # the other slots of the ring
+        assert usual() is not captured.MISSED
+    assert usual() is captured.MISSED  # the armed slot's turn: not launched yet
+    armed()
+    assert usual() is not captured.MISSED
+
+
 def test_armed_calls_launch_later_each_with_its_own_ids() -> None:
     """`arm` does the host work now, the launch later (on another thread in a server):
     a slot armed and not yet launched is never armed again, that call goes eager."""
@@ -216,6 +273,12 @@ def test_cuda_replays_are_bitwise_the_eager_calls(upload_kernel: bool, monkeypat
         expected.append((naive_gather(k, v, pages.to(device), PAGE, 2, 2), dst))
     torch.cuda.synchronize()
     assert kernels.CAPTURED.replays - replays >= 2 * (12 - captured.SIGHTS - 1)
+    repeated = random_pages(256, 40, seed=1)  # a replay's usual ids (int64, host), refused
+    repeated[7] = repeated[3]
+    with pytest.raises(ValueError, match=f"page index {int(repeated[3])} appears more than once"):
+        kernels.gather_all_layers_to_staging(
+            k, v, repeated, staging, src_head_start=2, num_heads=2, page_size=PAGE
+        )
     for step, (want, dst) in enumerate(expected):
         assert torch.equal(gathered[step].view(want.dtype).view(want.shape), want), step
         rows = torch.tensor([p * PAGE + t for p in dst for t in range(PAGE)], device=device)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pdctl.staging import held
+from pdctl.staging.kernels import native
 
 CUDA = torch.cuda.is_available()
 # The GPU tests below are of the held calls themselves: off by the environment, skipped.
@@ -90,11 +91,13 @@ def test_a_held_record_does_not_wait_for_a_thread_holding_the_gil() -> None:
     """Beside a busy Python thread, each call that gives the GIL away waits for it
     (20 `time.sleep(0)` show how long); 200 held records never give it away."""
     device = torch.device("cuda")
+    torch.cuda.synchronize(device)  # a context on this thread, whatever ran before
     event = held.held_event(device)
     assert event is not None
-    stop = threading.Event()
+    stop, running = threading.Event(), threading.Event()
 
     def spin() -> None:
+        running.set()
         while not stop.is_set():
             sum(range(2000))
 
@@ -102,6 +105,7 @@ def test_a_held_record_does_not_wait_for_a_thread_holding_the_gil() -> None:
     sys.setswitchinterval(0.005)  # Python's default (another test may have lowered it)
     thread = threading.Thread(target=spin)
     thread.start()
+    running.wait()  # the spinning thread contends from the first measure on
     try:
         started = time.perf_counter()
         for _ in range(20):
@@ -119,50 +123,103 @@ def test_a_held_record_does_not_wait_for_a_thread_holding_the_gil() -> None:
     assert kept < given_away / 2, (kept, given_away)
 
 
-def test_a_replay_in_one_call_makes_the_five_driver_calls_in_order() -> None:
-    """`held_replay.c` with stand-ins for libcuda's entry points (on any machine): the
-    copy ahead, its event, the launching stream's wait, the launch, the slot's event,
-    in that order with the slot's handles; a failing call is named with its error,
-    and nothing after it runs."""
-    from pdctl.staging import held_replay
+class StandIns:
+    """`held_replay.c` driven with stand-ins for libcuda's entry points (on any machine):
+    each records its call, and returns the error set for it (0: success) or the next of
+    its queued results."""
 
-    function, why = held_replay.replay_function()
-    if function is None:
-        pytest.skip(f"no C compiler here: {why}")
-    calls: list[tuple[object, ...]] = []
-    failing: dict[str, int] = {}
+    def __init__(self) -> None:
+        from pdctl.staging import held_replay
 
-    def make(name: str, *argtypes: object) -> object:
+        library, why = held_replay.replay_library()
+        if library is None:
+            pytest.skip(f"no C compiler here: {why}")
+        self.calls: list[tuple[object, ...]] = []
+        self.failing: dict[str, int] = {}
+        self.queued: dict[str, list[int]] = {}
+        p, u = ctypes.c_void_p, ctypes.c_uint
+        self.functions = (
+            self.make("copy", ctypes.c_uint64, p, ctypes.c_size_t, p),
+            self.make("record", p, p),
+            self.make("wait", p, p, u),
+            self.make("launch", p, p),
+            self.make("query", p),
+        )
+        self.slot_ids = torch.full((8,), -1, dtype=torch.int64)  # the slot's pinned ids
+        check = native.check_function() or 0
+        addresses = [held_replay.address(f) for f in self.functions]
+        args = held_replay.ReplayArgs(
+            *addresses[:4], 0xD000, self.slot_ids.data_ptr(), 64, 0x51, 0xE1, 0x61, 0xE2,
+            addresses[4], check, 8,
+        )  # fmt: skip
+        self.replay = held_replay.HeldReplay(library, args, self.functions)
+
+    def make(self, name: str, *argtypes: object) -> object:
         def stand_in(*args: object) -> int:
-            calls.append((name, *args))
-            return failing.get(name, 0)
+            self.calls.append((name, *args))
+            queued = self.queued.get(name)
+            return queued.pop(0) if queued else self.failing.get(name, 0)
 
         return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(stand_in)  # type: ignore[arg-type]
 
-    p, u = ctypes.c_void_p, ctypes.c_uint
-    stand_ins = (
-        make("copy", ctypes.c_uint64, p, ctypes.c_size_t, p),
-        make("record", p, p),
-        make("wait", p, p, u),
-        make("launch", p, p),
-    )
-    args = held_replay.ReplayArgs(
-        *(held_replay.address(f) for f in stand_ins), 0xD000, 0x4000, 65536, 0x51, 0xE1, 0x61,
-        0xE2,
-    )  # fmt: skip
-    replay = held_replay.HeldReplay(function, args, stand_ins)
-    replay.replay(0x5A)
-    assert calls == [
-        ("copy", 0xD000, 0x4000, 65536, 0x51),  # the ids, on the upload stream
-        ("record", 0xE1, 0x51),  # behind the copy
-        ("wait", 0x5A, 0xE1, 0),  # the launching stream waits for it, nothing else
-        ("launch", 0x61, 0x5A),
-        ("record", 0xE2, 0x5A),  # the slot's event behind the graph
-    ]
+
+FIVE_CALLS = [
+    ("copy", 0xD000, None, 64, 0x51),  # the ids, on the upload stream (None: the slot's)
+    ("record", 0xE1, 0x51),  # behind the copy
+    ("wait", 0x5A, 0xE1, 0),  # the launching stream waits for it, nothing else
+    ("launch", 0x61, 0x5A),
+    ("record", 0xE2, 0x5A),  # the slot's event behind the graph
+]
+
+
+def five_calls(stand_ins: StandIns) -> list[tuple[object, ...]]:
+    address = stand_ins.slot_ids.data_ptr()
+    return [tuple(address if part is None else part for part in call) for call in FIVE_CALLS]
+
+
+def test_a_replay_in_one_call_makes_the_five_driver_calls_in_order() -> None:
+    """The copy ahead, its event, the launching stream's wait, the launch, the slot's
+    event, in that order with the slot's handles; a failing call is named with its
+    error, and nothing after it runs."""
+    stand_ins = StandIns()
+    stand_ins.replay.replay(0x5A)
+    assert stand_ins.calls == five_calls(stand_ins)
     for name, step, error in (("wait", "cuStreamWaitEvent", 400), ("launch", "cuGraphLaunch", 719)):
-        calls.clear()
-        failing.clear()
-        failing[name] = error
+        stand_ins.calls.clear()
+        stand_ins.failing = {name: error}
         with pytest.raises(RuntimeError, match=f"{step} failed with error {error}"):
-            replay.replay(0x5A)
-        assert calls[-1][0] == name  # nothing ran after the failing call
+            stand_ins.replay.replay(0x5A)
+        assert stand_ins.calls[-1][0] == name  # nothing ran after the failing call
+
+
+def test_a_checked_replay_waits_checks_and_writes_the_ids_then_launches() -> None:
+    """`pdctl_checked_replay`: the slot's event queried (a replay still running is
+    waited for, the GIL given up, then queried again), the ids checked and written into
+    the slot in the same call, then the five calls; ids it refuses launch nothing and
+    leave the naming to the caller; the stamps grow when too few; a failing query is
+    named."""
+    stand_ins = StandIns()
+    if not stand_ins.replay.checks:
+        pytest.skip(f"the page check is not built here: {native.available()[1]}")
+    ids = torch.tensor([5, 0, 7, 3, 9, 2, 1, 4], dtype=torch.int64)
+    waits: list[int] = []
+    stand_ins.queued["query"] = [600, 0]  # CUDA_ERROR_NOT_READY, then passed
+    native.STAMPS.struct.size = 0  # too few words: grown on the way
+    assert stand_ins.replay.replay_checked(ids.data_ptr(), 10, 0x5A, lambda: waits.append(1))
+    assert waits == [1] and native.STAMPS.struct.size >= 10
+    # queried: not ready (waited for), ready (the stamps grown), ready again (checked)
+    assert stand_ins.calls == [("query", 0xE2)] * 3 + five_calls(stand_ins)
+    assert stand_ins.slot_ids.tolist() == ids.tolist()
+    for bad in ([5, 0, 7, 3, 9, 2, 1, 5], [5, 0, 7, 3, 9, 2, 1, 10], [-1, 0, 7, 3, 9, 2, 1, 4]):
+        stand_ins.calls.clear()
+        refused = torch.tensor(bad, dtype=torch.int64)
+        assert not stand_ins.replay.replay_checked(refused.data_ptr(), 10, 0x5A, lambda: None)
+        assert stand_ins.calls == [("query", 0xE2)]  # nothing copied nor launched
+    native.STAMPS.struct.stamp = 0xFFFFFFFF - 1  # the generations run out on the way
+    for _ in range(3):
+        assert stand_ins.replay.replay_checked(ids.data_ptr(), 10, 0x5A, lambda: None)
+    stand_ins.calls.clear()
+    stand_ins.failing = {"query": 700}
+    with pytest.raises(RuntimeError, match="cuEventQuery failed with error 700"):
+        stand_ins.replay.replay_checked(ids.data_ptr(), 10, 0x5A, lambda: None)
+    assert stand_ins.calls == [("query", 0xE2)]

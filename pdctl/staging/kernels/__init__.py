@@ -31,7 +31,13 @@ from pdctl.staging.kernels import captured
 from pdctl.staging.kernels.base import BufferCache, backend_names, default_backend, get_backend
 from pdctl.staging.kernels.captured import CapturedCalls
 from pdctl.staging.kernels.kvset import WORD_DTYPES, KVInfo, KVSet, describe_kv, prepare_kv
-from pdctl.staging.kernels.pages import PageIndices, checked_pages, host_ids, upload_pages
+from pdctl.staging.kernels.pages import (
+    PageIndices,
+    checked_pages,
+    host_ids,
+    upload_pages,
+    usual_ids,
+)
 from pdctl.staging.layout import HeadSlice
 
 
@@ -154,11 +160,13 @@ def scatter_staging_to_kv(
     CUDA a call that comes back the same is replayed from a graph (`captured`).
     """
     params: tuple[Any, ...]
+    pieces: tuple[HeadSlice, ...] | None = None  # one block's: made by the eager call (a
+    # replay needs none, and each object costs a microsecond of a slow host's replay)
     if writers is None:
         if dst_head_start is None or num_heads is None:
             raise ValueError("give dst_head_start and num_heads, or writers")
-        pieces: tuple[HeadSlice, ...] = (HeadSlice(0, 0, dst_head_start, num_heads),)
         params = ("scatter", dst_head_start, num_heads, backend)  # ints hash at C speed
+        block = (dst_head_start, num_heads)
     elif dst_head_start is not None or num_heads is not None:
         raise ValueError("give either writers or dst_head_start/num_heads, not both")
     else:
@@ -166,7 +174,8 @@ def scatter_staging_to_kv(
         params = ("scatter", pieces, backend)
 
     def eager(pages: PageIndices) -> int:
-        return _scatter(staging, k_buffers, v_buffers, pages, page_size, pieces, backend)
+        blocks = pieces if pieces is not None else (HeadSlice(0, 0, *block),)
+        return _scatter(staging, k_buffers, v_buffers, pages, page_size, blocks, backend)
 
     return _replayed(params, k_buffers, v_buffers, staging, page_indices, page_size, eager)
 
@@ -206,10 +215,8 @@ def _scatter(
 CAPTURED: CapturedCalls[int] = CapturedCalls()
 
 
-def _capturable(staging: torch.Tensor, page_indices: PageIndices) -> bool:
-    """A CUDA call with host page ids (ids on the device go the eager way)."""
-    if not captured.ENABLED or staging.device.type != "cuda":
-        return False
+def _capturable(page_indices: PageIndices) -> bool:
+    """Host page ids (ids on the device go the eager way)."""
     if isinstance(page_indices, torch.Tensor):
         return page_indices.device.type == "cpu" and page_indices.dim() == 1
     if isinstance(page_indices, np.ndarray):
@@ -227,12 +234,20 @@ def _replayed(
     eager: Callable[[PageIndices], int],
 ) -> int:
     """`eager(page_indices)`, or its replay from a CUDA graph (`captured`) when the same
-    call (these KV lists, this staging memory, as many ids, `params`) came back."""
-    if not _capturable(staging, page_indices):
+    call (these KV lists, this staging memory, as many ids, `params`) came back on
+    CUDA with host ids; a replay's usual ids checked and launched in one C call."""
+    if not captured.ENABLED or not staging.is_cuda:
+        return eager(page_indices)
+    usual = usual_ids(k_buffers, page_indices, page_size)
+    if usual is None and not _capturable(page_indices):
         return eager(page_indices)
     memory = (staging.data_ptr(), staging.numel(), staging.is_contiguous(), staging.dtype)
-    count = page_indices.shape[0] if isinstance(page_indices, torch.Tensor) else len(page_indices)
+    count = usual[1] if usual is not None else len(page_indices)
     key = (*params, id(k_buffers), id(v_buffers), *memory, count, page_size)
+    if usual is not None:
+        value = CAPTURED.replay_usual(key, (k_buffers, v_buffers), usual[0], usual[2])
+        if value is not captured.MISSED:
+            return value
     return CAPTURED.arm(
         key, (k_buffers, v_buffers), staging.device,
         lambda into: host_ids(k_buffers, v_buffers, page_indices, page_size, into), eager,

@@ -17,7 +17,10 @@ shape dropped (the least recently used, or its key named other tensors) first wa
 for its replays.
 A replay reads the ids the host wrote to the slot just before. The upload ahead, the
 launch and the events around them are one call into C where it builds
-(`held_replay`), five driver calls Python otherwise makes one by one.
+(`held_replay`), five driver calls Python otherwise makes one by one. A call whose
+ids are a replay's usual ones (`pages.usual_ids`) goes further (`replay_usual`): the
+slot's wait and the page check are in that C call too, so a replay is a lookup and
+one call; the ids it refuses take the path below, which names what is wrong.
 
 Each call shape keeps a ring of SLOTS graphs, each with its own pinned ids and
 device ids, and an event recorded behind each replay: a slot is written again only
@@ -44,8 +47,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
-from pdctl.staging import held
-from pdctl.staging.held_replay import held_replay
+from pdctl.staging import held, held_replay
 from pdctl.staging.kernels.base import keeping
 
 log = logging.getLogger("pdctl.staging")
@@ -67,6 +69,7 @@ UPLOAD_KERNEL = os.environ.get("PDCTL_STAGING_UPLOAD_KERNEL", "1") != "0"
 UPLOAD_AHEAD = os.environ.get("PDCTL_STAGING_UPLOAD_AHEAD", "1") != "0"
 
 T = TypeVar("T")
+MISSED: Any = object()  # `replay_usual` could not replay: the caller arms the call
 T_co = TypeVar("T_co", covariant=True)
 Eager = Callable[[Any], Any]  # the checked call on these ids (host or device) -> its value
 # the call's host ids, checked (raising as the eager call would), as a CPU tensor; with
@@ -79,10 +82,20 @@ class Slot(Protocol[T_co]):
     ids: torch.Tensor  # the replay's ids (int64, CPU), written by the host before `replay`
     armed: bool  # ids written for a replay not yet launched (`CapturedCalls.arm`)
 
+    @property
+    def value(self) -> T_co:
+        """What a replay gives (the captured call's value)."""
+
     def replay(self) -> T_co: ...
 
     def wait(self) -> None:
         """Until the device passed this slot's last replay (its ids were read)."""
+
+    def replay_checked(self, address: int, num_pages: int) -> bool:
+        """The replay with the slot's count of int64 ids at `address` checked against a
+        pool of `num_pages` and written to the slot, after its wait, in one go; False
+        where the slot cannot or an id is refused (nothing launched: the caller's path
+        through `ids` says why)."""
 
 
 # (device, number of ids, the eager call, the value its eager call gave) -> the slots
@@ -152,7 +165,9 @@ class CudaSlot:
         self.one_call = None
         if self.launcher is not None and self.ahead is not None:
             assert isinstance(self.done, held.HeldEvent)
-            self.one_call = held_replay(self.ahead, self.launcher, self.done, self.upload_args)
+            self.one_call = held_replay.held_replay(
+                self.ahead, self.launcher, self.done, self.upload_args
+            )
 
     def body(self, eager: Eager, device_ids: torch.Tensor) -> Any:
         """What the graph holds, run once under capture: the call on the device ids."""
@@ -179,6 +194,16 @@ class CudaSlot:
     def wait(self) -> None:
         if self.used:
             self.done.synchronize()
+
+    def replay_checked(self, address: int, num_pages: int) -> bool:
+        one_call = self.one_call
+        if one_call is None or not one_call.checks:
+            return False
+        stream = held.current_stream_handle(self.index)
+        if not one_call.replay_checked(address, num_pages, stream, self.done.synchronize):
+            return False
+        self.used = True
+        return True
 
 
 def _uploader(pinned: torch.Tensor, target: torch.Tensor) -> Callable[[], object]:
@@ -287,6 +312,23 @@ class CapturedCalls(Generic[T]):
             return replayed
 
         return replay
+
+    def replay_usual(self, key: tuple[Any, ...], named: Named, address: int, num_pages: int) -> T:
+        """The replay of a captured shape's next slot with the ids at `address` (as many
+        as the shape's, int64; a pool of `num_pages`) checked and written in the same
+        C call as the launch (`Slot.replay_checked`); MISSED where that cannot be: not
+        yet captured, other tensors, the slot armed, an id refused (`arm` then)."""
+        shapes = self._shapes()
+        shape = shapes.get(key)
+        if shape is None or not shape.slots or not shape.names(named):
+            return MISSED
+        slot = shape.slots[shape.next]
+        if slot.armed or not slot.replay_checked(address, num_pages):
+            return MISSED
+        shape.next = (shape.next + 1) % len(shape.slots)
+        shapes.move_to_end(key)
+        self.replays += 1
+        return slot.value
 
     def _first(
         self, shape: _Shape, ids: torch.Tensor, eager: Callable[[Any], T], device: torch.device

@@ -81,9 +81,9 @@ def _library() -> tuple[Any, str]:  # (the library or None, why)
     copy = library.pdctl_copy_rows
     copy.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_int] * 2
     copy.restype = ctypes.c_int
-    check = library.pdctl_check_ids
+    check = library.pdctl_check_stamped
     check.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                      ctypes.c_uint32, ctypes.POINTER(ctypes.c_int), ctypes.c_void_p]  # fmt: skip
+                      ctypes.c_void_p]  # fmt: skip
     check.restype = ctypes.c_int64
     shared = library.pdctl_threading() == 1
     return library, "built, on torch's OpenMP threads" if shared else "built, on threads of its own"
@@ -94,23 +94,36 @@ def _function() -> tuple[Any, str]:  # (the C copy or None, why)
     return (None if library is None else library.pdctl_copy_rows), why
 
 
-class _Stamps(threading.local):
-    """Per thread: the check's stamp words (and their address), this call's generation,
-    and the check's out-parameter, made once."""
+class StampWords(ctypes.Structure):
+    """`pdctl_stamps_t` of native_rows.c: a thread's stamp words for the page check."""
+
+    _fields_ = [
+        ("words", ctypes.c_void_p),
+        ("size", ctypes.c_int64),
+        ("stamp", ctypes.c_uint32),
+        ("repeated", ctypes.c_int),
+    ]
+
+
+class Stamps(threading.local):
+    """Per thread: the page check's stamp words, as the C check reads them (`ref`, its
+    address), made once; the C side takes each call's generation."""
 
     def __init__(self) -> None:
         self.words = np.zeros(0, dtype=np.uint32)
-        self.size, self.address, self.stamp = 0, 0, 0
-        self.repeated = ctypes.c_int(0)
-        self.repeated_ref = ctypes.byref(self.repeated)
+        self.struct = StampWords(0, 0, 0, 0)
+        self.ref = ctypes.addressof(self.struct)
 
     def grow(self, num_pages: int) -> None:
-        """Fresh words for at least `num_pages` (all zero, so any stamp from 1 is new)."""
-        self.words = np.zeros(max(num_pages, 2 * self.size), dtype=np.uint32)
-        self.size, self.address, self.stamp = len(self.words), self.words.ctypes.data, 0
+        """Fresh words for at least `num_pages` (all zero, so any stamp from 1 is new):
+        twice as many where too few, as many where the generations ran out."""
+        size = self.struct.size
+        self.words = np.zeros(max(num_pages, 2 * size) if size < num_pages else size, np.uint32)
+        self.struct.words, self.struct.size = self.words.ctypes.data, len(self.words)
+        self.struct.stamp = 0
 
 
-_STAMPS = _Stamps()
+STAMPS = Stamps()  # this thread's: `STAMPS.ref` for the C check
 
 
 def check_ids(
@@ -151,14 +164,22 @@ def check_at(address: int, count: int, num_pages: int, out: int | None) -> tuple
     library, _ = _library()
     if library is None:
         return None
-    stamps = _STAMPS
-    if stamps.size < num_pages or stamps.stamp >= 0xFFFFFFFF:
+    stamps = STAMPS
+    position = library.pdctl_check_stamped(address, count, num_pages, stamps.ref, out)
+    if position == -2:  # too few words for this pool, or the generations ran out
         stamps.grow(num_pages)
-    stamps.stamp += 1
-    position = library.pdctl_check_ids(
-        address, count, num_pages, stamps.address, stamps.stamp, stamps.repeated_ref, out
-    )
-    return int(position), bool(stamps.repeated.value)
+        position = library.pdctl_check_stamped(address, count, num_pages, stamps.ref, out)
+    return int(position), bool(stamps.struct.repeated)
+
+
+def check_function() -> int | None:
+    """The C check's entry point as an address (`pdctl_check_stamped`: ids, count,
+    pages, a thread's `Stamps.ref`, where to copy them), for C callers
+    (`staging.held_replay`); None where the library is not built."""
+    library, _ = _library()
+    if library is None:
+        return None
+    return int(ctypes.cast(library.pdctl_check_stamped, ctypes.c_void_p).value or 0) or None
 
 
 def available() -> tuple[bool, str]:

@@ -243,3 +243,23 @@ int64_t pdctl_check_ids(const int64_t *ids, int64_t count, int64_t num_pages,
     *repeated = first_repeat >= 0;
     return first_repeat;
 }
+
+/* A thread's words for pdctl_check_stamped, owned by its caller (one per thread). */
+typedef struct {
+    uint32_t *words;
+    int64_t size;   /* how many words */
+    uint32_t stamp; /* the last generation handed out */
+    int repeated;   /* the check's out-parameter */
+} pdctl_stamps_t;
+
+/* pdctl_check_ids on a thread's words, taking the next generation here: -2 when the
+ * words are too few for num_pages or the generations ran out (the caller gives fresh
+ * zeroed words and calls again), else as pdctl_check_ids. The entry point a replay
+ * calls from C (pdctl/staging/held_replay.c), so one check serves both ways in. */
+int64_t pdctl_check_stamped(const int64_t *ids, int64_t count, int64_t num_pages,
+                            pdctl_stamps_t *s, int64_t *out) {
+    if (s->size < num_pages || s->stamp == UINT32_MAX)
+        return -2;
+    s->stamp++;
+    return pdctl_check_ids(ids, count, num_pages, s->words, s->stamp, &s->repeated, out);
+}

@@ -110,6 +110,32 @@ def _raise_outside(pages: np.ndarray, num_pages: int) -> NoReturn:
     )
 
 
+def usual_ids(
+    k_buffers: Sequence[torch.Tensor], page_indices: PageIndices, page_size: int
+) -> tuple[int, int, int] | None:
+    """(address, count, pages in the pool) of a replay's usual ids: a 1-D contiguous
+    int64 CPU tensor of at least one id, for KV lists that are the very tensors a
+    replay's shape was captured with (`captured._Shape.names`), so that their first
+    dimension is the pool's tokens. None for anything else (the full path).
+
+    Every tensor property read costs about a microsecond on a slow host, and this
+    runs on every replay (the H200 host spent 31-35 us a call on the check of 8,192
+    ids; docs/benchmarks.md, session 17)."""
+    if (
+        type(page_indices) is torch.Tensor
+        and page_indices.dtype is torch.int64
+        and page_indices.is_cpu
+        and page_indices.dim() == 1
+        and page_indices.is_contiguous()
+        and page_size >= 1
+        and len(k_buffers)
+    ):
+        count = len(page_indices)
+        if count:
+            return page_indices.data_ptr(), count, k_buffers[0].shape[0] // page_size
+    return None
+
+
 def host_ids(
     k_buffers: Sequence[torch.Tensor],
     v_buffers: Sequence[torch.Tensor],
@@ -120,27 +146,14 @@ def host_ids(
     """The host ids as a CPU tensor, checked as `upload_pages` checks them; written to
     `into` (a replay's pinned slot) in the check's pass where it is given.
 
-    A replay's usual ids (a 1-D contiguous int64 CPU tensor as long as the slot) go
-    straight to the C check: every tensor property read costs about a microsecond on
-    a slow host, and this runs on every replay (the H200 host spent 31-35 us a call
-    here on 8,192 ids; docs/benchmarks.md, session 17). Anything else, and any id
-    the C check refuses, takes the full path, which raises the precise error."""
-    if (
-        into is not None
-        and type(page_indices) is torch.Tensor
-        and page_indices.dtype is torch.int64
-        and page_indices.is_cpu
-        and page_indices.dim() == 1
-        and page_indices.is_contiguous()
-        and page_size >= 1
-    ):
-        count = len(page_indices)
-        slot_fits = into.dtype is torch.int64 and into.is_contiguous() and into.numel() == count
-        if count and slot_fits and len(k_buffers):  # the C check writes `count` words
-            # the KV lists are the very tensors the slot's shape was captured with
-            # (`captured._Shape.names`), so their first dimension is the pool's tokens
-            num_pages = k_buffers[0].shape[0] // page_size
-            found = native.check_at(page_indices.data_ptr(), count, num_pages, into.data_ptr())
+    A replay's usual ids (`usual_ids`, as long as the slot) go straight to the C check.
+    Anything else, and any id the C check refuses, takes the full path, which raises
+    the precise error."""
+    usual = usual_ids(k_buffers, page_indices, page_size) if into is not None else None
+    if usual is not None and into is not None:
+        address, count, num_pages = usual
+        if into.dtype is torch.int64 and into.is_contiguous() and into.numel() == count:
+            found = native.check_at(address, count, num_pages, into.data_ptr())
             if found is not None and found[0] < 0:
                 return into
     pages = checked_pages(page_indices, page_size, prepare_kv(k_buffers, v_buffers).info, into)
