@@ -18,6 +18,8 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
+
 from pdctl.staging.transport.base import (
     Descriptors,
     MemoryRegion,
@@ -32,6 +34,7 @@ from pdctl.staging.transport.base import (
     TransportError,
     notice_bytes,
 )
+from pdctl.staging.transport.regions import SMALL_LOOKUP, RegionIndex
 
 
 def import_nixl() -> Any:
@@ -170,28 +173,10 @@ class NixlTransport(Transport):
 
     def _write_async(self, peer: Peer, descriptors: Descriptors, notify: Notice) -> TransferHandle:
         message = notice_bytes(notify)  # NIXL sends it with the transfer
-        src, dst, lengths = (a.tolist() for a in descriptors)
-        local_type = {self._region_of(p, n).device_type for p, n in zip(src, lengths, strict=True)}
-        remote_type = {
-            next(r for r in peer.regions if r.contains(p, n)).device_type
-            for p, n in zip(dst, lengths, strict=True)
-        }
-        if len(local_type) != 1 or len(remote_type) != 1:
-            raise TransportError(
-                f"{self.config.name}: one NIXL write cannot mix host and device memory"
-            )
-        local_index = self._region_of(src[0], lengths[0]).device_index or 0
-        local = self.agent.get_xfer_descs(
-            [(p, n, local_index) for p, n in zip(src, lengths, strict=True)],
-            memory_type(local_type.pop()),
-        )
-        remote_index = (
-            next(r for r in peer.regions if r.contains(dst[0], lengths[0])).device_index or 0
-        )
-        remote = self.agent.get_xfer_descs(
-            [(p, n, remote_index) for p, n in zip(dst, lengths, strict=True)],
-            memory_type(remote_type.pop()),
-        )
+        src, dst, lengths = descriptors
+        found = self.located(peer, src, dst, lengths)  # the check's lookups, not made again
+        local = self._xfer_list(found.mine, found.sources, src, lengths)
+        remote = self._xfer_list(found.theirs, found.targets, dst, lengths)
         if local is None or remote is None:
             raise TransportError(
                 f"{self.config.name}: NIXL could not describe the write to {peer.label}"
@@ -215,8 +200,33 @@ class NixlTransport(Transport):
             ) from None
         return NixlHandle(self, handle, peer)
 
-    def _region_of(self, ptr: int, length: int) -> MemoryRegion:
-        return next(r for r in self.regions if r.contains(ptr, length))
+    def _xfer_list(
+        self, index: RegionIndex, found: np.ndarray, addresses: np.ndarray, lengths: np.ndarray
+    ) -> Any:
+        """One side of a write as NIXL's descriptor list: rows of (address, length, the
+        device of the region holding it), as one numpy array (a list for a few). A page
+        write carries thousands of ranges; looked up and described one by one in
+        Python they cost milliseconds a write, more than NIXL's copy of them."""
+        few = len(found) <= SMALL_LOOKUP  # numpy's per-call cost would dominate
+        held = found.tolist() if few else np.unique(found).tolist()
+        regions = {i: index.regions[i] for i in held}
+        kinds = {region.device_type for region in regions.values()}
+        if len(kinds) != 1:
+            raise TransportError(
+                f"{self.config.name}: one NIXL write cannot mix host and device memory"
+            )
+        kind = memory_type(kinds.pop())
+        if few:
+            rows = [
+                (address, length, regions[i].device_index or 0)
+                for address, length, i in zip(
+                    addresses.tolist(), lengths.tolist(), held, strict=True
+                )
+            ]
+            return self.agent.get_xfer_descs(rows, kind)
+        devices = np.zeros(len(index.regions), dtype=np.uint64)
+        devices[held] = [region.device_index or 0 for region in regions.values()]
+        return self.agent.get_xfer_descs(np.stack((addresses, lengths, devices[found]), 1), kind)
 
     def _poll(self) -> None:
         for agent, messages in self.agent.get_new_notifs().items():

@@ -41,6 +41,31 @@ def test_many_small_descriptors_scattered(writer, peer, source) -> None:
     assert peer.sha256(0, 2048 * 4096) == sha(expected)
 
 
+def test_page_writes_from_many_registered_buffers(writer, peer) -> None:
+    """As a request's KV pages go: ranges from two dozen registrations (a pool's layer
+    buffers), interleaved, to scattered places in the peer; every byte lands."""
+    connection = writer.connect(peer.description)
+    rng = np.random.default_rng(2)
+    layers = [rng.integers(0, 256, 64 * 1024, dtype=np.uint8) for _ in range(24)]
+    regions = [writer.register(layer.ctypes.data, layer.nbytes) for layer in layers]
+    try:
+        pieces = [(layer, page) for page in range(16) for layer in range(24)]  # 384 ranges
+        slots = rng.permutation(2048)[: len(pieces)]
+        src = np.array([layers[i].ctypes.data + page * 4096 for i, page in pieces], np.uint64)
+        dst = peer.base + slots.astype(np.uint64) * 4096
+        peer.command(cmd="fill", value=0)
+        lengths = np.full(len(pieces), 4096, dtype=np.uint64)
+        writer.write(connection, src, dst, lengths, notify=b"layers")
+        assert "peer" in peer.wait_notification(b"layers", 5)
+        expected = np.zeros(2048 * 4096, dtype=np.uint8)
+        for (i, page), slot in zip(pieces, slots.tolist(), strict=True):
+            expected[slot * 4096 : (slot + 1) * 4096] = layers[i][page * 4096 : (page + 1) * 4096]
+        assert peer.sha256(0, 2048 * 4096) == sha(expected)
+    finally:
+        for region in regions:
+            writer.deregister(region)
+
+
 def test_async_write_then_notification_after_the_bytes(writer, peer, source) -> None:
     connection = writer.connect(peer.description)
     handle = writer.write_async(
