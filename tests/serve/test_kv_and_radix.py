@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -20,6 +20,46 @@ def test_page_allocator_refuses_double_free_and_overdraw() -> None:
     pages.free(got)
     with pytest.raises(ValueError, match="already free"):
         pages.free([1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.booleans(), st.integers(0, 9), st.randoms(use_true_random=False)),
+        max_size=40,
+    )
+)
+def test_page_allocator_hands_out_the_lowest_free_pages_ascending(steps) -> None:  # type: ignore[no-untyped-def]
+    """Whatever order pages come back in, an allocation is the lowest free pages in
+    ascending order (so a request's pages form runs wherever the free pages do), and
+    no page is ever held twice."""
+    pages = PageAllocator(32)
+    held: list[int] = []
+    for allocating, count, order in steps:
+        free = sorted(set(range(32)) - set(held))
+        if allocating:
+            got = pages.allocate(count)
+            if count > len(free):
+                assert got is None
+                continue
+            assert got == free[:count]
+            held += got
+        else:  # give back `count` held pages in an arbitrary order
+            back = order.sample(held, min(count, len(held)))
+            pages.free(back)
+            held = [page for page in held if page not in back]
+        assert pages.num_free == 32 - len(held)
+
+
+def test_pages_a_prefix_cache_evicts_come_back_as_runs() -> None:
+    """The cache evicts a chain's last page first; the next request still gets runs
+    of consecutive pages (one transfer range per run, not per page)."""
+    pages = PageAllocator(8)
+    cache = RadixCache(pages, PAGE)
+    first = pages.allocate(8) or []
+    cache.insert(list(range(8 * PAGE)), first)
+    assert cache.evict(8) == 8
+    assert pages.allocate(8) == list(range(8))  # not 7, 6, ..., 0
 
 
 def test_match_insert_and_leftovers() -> None:
