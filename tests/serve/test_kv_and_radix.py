@@ -62,6 +62,22 @@ def test_pages_a_prefix_cache_evicts_come_back_as_runs() -> None:
     assert pages.allocate(8) == list(range(8))  # not 7, 6, ..., 0
 
 
+def test_eviction_takes_the_least_recently_used_leaf_each_time() -> None:
+    """Two cached chains, A used before B: A goes first, deepest page first, and a page
+    becomes a leaf (and goes) once its child went; B's pages wait for A's."""
+    pages = PageAllocator(16)
+    cache = RadixCache(pages, PAGE)
+    chain_a, chain_b = pages.allocate(3) or [], pages.allocate(3) or []
+    cache.insert(list(range(3 * PAGE)), chain_a)
+    cache.insert(list(range(100, 100 + 3 * PAGE)), chain_b)
+    freed: list[int] = []
+    original = pages.free
+    pages.free = lambda given: (freed.extend(given), original(given))  # type: ignore[method-assign]
+    assert cache.evict(4) == 4
+    assert freed == [*reversed(chain_a), chain_b[-1]]
+    assert cache.evict(10) == 2 and freed[4:] == list(reversed(chain_b[:2]))
+
+
 def test_match_insert_and_leftovers() -> None:
     pages = PageAllocator(16)
     cache = RadixCache(pages, PAGE)
@@ -105,7 +121,12 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(count=st.integers(1, 8))
     def evict(self, count: int) -> None:
-        self.cache.evict(count)
+        """Every unlocked page can go (a locked node's ancestors are locked), so exactly
+        as many as asked or as are unlocked go, and no locked page."""
+        locked = {node.page for nodes in self.locks for node in nodes}
+        unlocked = self.cache.evictable()
+        assert self.cache.evict(count) == min(count, unlocked)
+        assert locked <= {node.page for node in self.cache._nodes()}
 
     @invariant()
     def pages_balance(self) -> None:

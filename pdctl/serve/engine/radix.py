@@ -8,6 +8,7 @@ cache owns the pages of its nodes and gives them back to the allocator on evicti
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -91,17 +92,28 @@ class RadixCache:
         return sum(1 for node in self._nodes() if node.locks == 0)
 
     def evict(self, num_pages: int) -> int:
-        """Free up to `num_pages` pages from unlocked leaves, least recently used first."""
+        """Free up to `num_pages` pages from unlocked leaves, least recently used first;
+        a parent whose last child went is a leaf from then on.
+
+        One walk of the tree, then a heap of the leaves: a long cached chain has one
+        leaf at a time, and finding each anew cost a walk per page (128 pages from a
+        chain of 8,192 took 150 ms of the scheduler's thread; docs/benchmarks.md,
+        session 19)."""
+        order = itertools.count()  # ties by age of entry, never by comparing nodes
+        leaves = [
+            (node.last_use, next(order), node)
+            for node in self._nodes()
+            if not node.children and node.locks == 0
+        ]
+        heapq.heapify(leaves)
         freed = 0
-        while freed < num_pages:
-            leaves = [n for n in self._nodes() if not n.children and n.locks == 0]
-            if not leaves:
-                break
-            for leaf in sorted(leaves, key=lambda n: n.last_use):
-                if freed >= num_pages:
-                    break
-                self._remove(leaf)
-                freed += 1
+        while freed < num_pages and leaves:
+            leaf = heapq.heappop(leaves)[2]
+            parent = leaf.parent
+            self._remove(leaf)
+            freed += 1
+            if parent not in (None, self.root) and not parent.children and not parent.locks:
+                heapq.heappush(leaves, (parent.last_use, next(order), parent))
         return freed
 
     def flush(self) -> int:
