@@ -97,7 +97,7 @@ class RadixCache:
 
         One walk of the tree, then a heap of the leaves: a long cached chain has one
         leaf at a time, and finding each anew cost a walk per page (128 pages from a
-        chain of 8,192 took 150 ms of the scheduler's thread; docs/benchmarks.md,
+        chain of 8,192 took 150-220 ms of the scheduler's thread; docs/benchmarks.md,
         session 19)."""
         order = itertools.count()  # ties by age of entry, never by comparing nodes
         leaves = [
