@@ -29,31 +29,31 @@ def test_page_allocator_refuses_double_free_and_overdraw() -> None:
         max_size=40,
     )
 )
-def test_page_allocator_hands_out_the_lowest_free_pages_ascending(steps) -> None:  # type: ignore[no-untyped-def]
-    """Whatever order pages come back in, an allocation is the lowest free pages in
-    ascending order (so a request's pages form runs wherever the free pages do), and
-    no page is ever held twice."""
+def test_page_allocator_hands_out_pages_in_the_order_they_were_freed(steps) -> None:  # type: ignore[no-untyped-def]
+    """Lowest first at the start, then the least recently freed first (a page just
+    freed goes out after every other free page), and no page held twice."""
     pages = PageAllocator(32)
-    held: list[int] = []
+    queue = list(range(32))  # the free pages, in the order they go out
     for allocating, count, order in steps:
-        free = sorted(set(range(32)) - set(held))
         if allocating:
             got = pages.allocate(count)
-            if count > len(free):
+            if count > len(queue):
                 assert got is None
                 continue
-            assert got == free[:count]
-            held += got
+            assert got == queue[:count]
+            queue = queue[count:]
         else:  # give back `count` held pages in an arbitrary order
+            held = sorted(set(range(32)) - set(queue))
             back = order.sample(held, min(count, len(held)))
             pages.free(back)
-            held = [page for page in held if page not in back]
-        assert pages.num_free == 32 - len(held)
+            queue += back
+        assert pages.num_free == len(queue)
 
 
 def test_pages_a_prefix_cache_evicts_come_back_as_runs() -> None:
-    """The cache evicts a chain's last page first; the next request still gets runs
-    of consecutive pages (one transfer range per run, not per page)."""
+    """The cache evicts a chain's last page first, but gives the pages back together in
+    ascending order: the next request gets runs of consecutive pages (one transfer
+    range per run, not per page)."""
     pages = PageAllocator(8)
     cache = RadixCache(pages, PAGE)
     first = pages.allocate(8) or []
@@ -70,12 +70,13 @@ def test_eviction_takes_the_least_recently_used_leaf_each_time() -> None:
     chain_a, chain_b = pages.allocate(3) or [], pages.allocate(3) or []
     cache.insert(list(range(3 * PAGE)), chain_a)
     cache.insert(list(range(100, 100 + 3 * PAGE)), chain_b)
-    freed: list[int] = []
-    original = pages.free
-    pages.free = lambda given: (freed.extend(given), original(given))  # type: ignore[method-assign]
-    assert cache.evict(4) == 4
-    assert freed == [*reversed(chain_a), chain_b[-1]]
-    assert cache.evict(10) == 2 and freed[4:] == list(reversed(chain_b[:2]))
+
+    def cached() -> set[int]:
+        return {node.page for node in cache._nodes()}
+
+    assert cache.evict(1) == 1 and cached() == {*chain_a[:2], *chain_b}
+    assert cache.evict(2) == 2 and cached() == set(chain_b)  # A's first page before B's last
+    assert cache.evict(10) == 3 and cached() == set()
 
 
 def test_match_insert_and_leftovers() -> None:

@@ -17,25 +17,27 @@ owning tensors); the scheduler decides who gets what.
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 
 import torch
 
 
 class PageAllocator:
-    """Free pages, the lowest free ones handed out first, in ascending order; freeing
-    returns them.
+    """Free pages, handed out in the order they were freed (lowest first at the start);
+    freeing returns them.
 
-    A request's pages then form runs wherever the free pages do, whatever order they
-    came back in: the prefix cache evicts a chain's last page first, and a first-in
-    first-out list handed those pages out descending, so a direct transfer needed one
-    range per page and buffer instead of one per run (`staging.descriptors.page_runs`;
-    a 2048-token request went as 4,096 ranges, docs/benchmarks.md, session 19)."""
+    A page just freed goes out last, after every other free page. A write to it that
+    arrives late (an aborted request's transfer that was already under way) then lands
+    in a page nobody holds, unless the pool is nearly full. Callers that free many
+    pages at once give them in ascending order (`RadixCache.evict`), so the request
+    that gets them next gets runs of consecutive pages, which a direct transfer sends
+    as one range each (`staging.descriptors.page_runs`). Evicted pages used to come
+    back one by one in descending order, and a 2048-token request went as 4,096 ranges
+    (docs/benchmarks.md, session 19)."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
-        self._free = list(range(num_pages))  # a heap
+        self._free: deque[int] = deque(range(num_pages))
         self._free_set = set(self._free)
 
     @property
@@ -45,7 +47,7 @@ class PageAllocator:
     def allocate(self, count: int) -> list[int] | None:
         if count > len(self._free):
             return None
-        pages = [heapq.heappop(self._free) for _ in range(count)]
+        pages = [self._free.popleft() for _ in range(count)]
         self._free_set.difference_update(pages)
         return pages
 
@@ -53,7 +55,7 @@ class PageAllocator:
         for page in pages:
             if page in self._free_set or not 0 <= page < self.num_pages:
                 raise ValueError(f"page {page} is already free or does not exist")
-            heapq.heappush(self._free, page)
+            self._free.append(page)
             self._free_set.add(page)
 
 

@@ -93,7 +93,9 @@ class RadixCache:
 
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` pages from unlocked leaves, least recently used first;
-        a parent whose last child went is a leaf from then on.
+        a parent whose last child went is a leaf from then on. The pages go back to the
+        allocator together, in ascending order (`PageAllocator`: the next request gets
+        them as runs).
 
         One walk of the tree, then a heap of the leaves: a long cached chain has one
         leaf at a time, and finding each anew cost a walk per page (128 pages from a
@@ -106,25 +108,26 @@ class RadixCache:
             if not node.children and node.locks == 0
         ]
         heapq.heapify(leaves)
-        freed = 0
-        while freed < num_pages and leaves:
+        freed: list[int] = []
+        while len(freed) < num_pages and leaves:
             leaf = heapq.heappop(leaves)[2]
             parent = leaf.parent
-            self._remove(leaf)
-            freed += 1
+            freed.append(self._remove(leaf))
             if parent not in (None, self.root) and not parent.children and not parent.locks:
                 heapq.heappush(leaves, (parent.last_use, next(order), parent))
-        return freed
+        self.pages.free(sorted(freed))
+        return len(freed)
 
     def flush(self) -> int:
         """Evict every unlocked page; returns how many were freed."""
         return self.evict(self.num_cached_pages)
 
-    def _remove(self, node: Node) -> None:
+    def _remove(self, node: Node) -> int:
+        """Take a leaf out of the tree; its page is the caller's to free."""
         assert node.parent is not None and not node.children
         del node.parent.children[node.key]
-        self.pages.free([node.page])
         self.num_cached_pages -= 1
+        return node.page
 
     def _nodes(self) -> list[Node]:
         found, stack = [], list(self.root.children.values())
