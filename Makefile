@@ -6,14 +6,23 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PDCTL  := $(VENV)/bin/pdctl
 STAMP  := $(VENV)/.pdctl-setup
+# real vLLM in an environment of its own, as users keep it (the cpu-vllm-* topologies)
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.pdctl-setup
 DEFAULT_TOPOLOGY := topologies/cpu-p1d2-tcp.yaml
 
-.PHONY: setup demo test nightly-cpu lint format bench clean
+.PHONY: setup setup-vllm demo test nightly-cpu lint format bench clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	@VENV=$(VENV) scripts/setup.sh 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+	@touch $@
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): scripts/setup_vllm.sh
+	@VLLM_VENV=$(VLLM_VENV) scripts/setup_vllm.sh 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 	@touch $@
 
 # The main job on the default CPU topology: bring it up, verify it token for token
@@ -24,7 +33,7 @@ demo: setup
 
 # Two workers, a test file each at a time: the servers the tests start spend much of
 # their time waiting, so two files overlap well on two cores (16 min -> 11 min).
-test: setup
+test: setup setup-vllm
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The CPU suite as a CI nightly runs it: every topology tagged `cpu`, reports in runs/.
@@ -50,4 +59,4 @@ bench: setup
 	$(PDCTL) bench pd
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -13,6 +13,7 @@ from pdctl.engines.base import Engine
 _REGISTRY = {
     "embedded": "pdctl.engines.embedded:EmbeddedEngine",
     "sglang": "pdctl.engines.sglang:SGLangEngine",
+    "vllm": "pdctl.engines.vllm:VLLMEngine",
 }
 
 

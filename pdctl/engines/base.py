@@ -8,19 +8,26 @@ the launcher renders the real number. Engines start nothing themselves.
 
 from __future__ import annotations
 
+import re
 import shlex
+import shutil
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from pdctl.engines.dialect import Dialect, GenerateDialect
+from pdctl.engines.proof import TransferProof
 from pdctl.topology.issues import Issue
 
 if TYPE_CHECKING:
     from pdctl.engines.probes import Probe
 from pdctl.topology.model import Topology
-from pdctl.topology.resolve import EnvEntry, ServerLayout, role_spec
+from pdctl.topology.resolve import EnvEntry, Requirements, ServerLayout, role_spec
+
+WORKDIR = "<workdir>"  # in an environment value: the process's own folder in the run
+PLACEHOLDER = re.compile(r"<([A-Za-z0-9_.-]+)>")
 
 
 @dataclass(frozen=True)
@@ -96,9 +103,35 @@ class PortSlot:
         return PortRef(self.key)
 
 
+def render_value(value: str, values: Mapping[str, int | str]) -> str:
+    """An environment value with its `<owner.slot>` ports (and `<workdir>`) filled in
+    from `values`; placeholders it does not know stay as written (a plan shows them)."""
+    return PLACEHOLDER.sub(lambda m: str(values.get(m.group(1), m.group(0))), value)
+
+
 def python() -> str:
-    """The interpreter pdctl runs under; servers run in the same environment."""
+    """The interpreter pdctl runs under; pdctl's own servers run in the same environment."""
     return sys.executable or "python3"
+
+
+def engine_python(topology: Topology) -> str:
+    """The interpreter of the engine's own environment: `engine_python` (absolute once
+    loaded when it is a path), a command looked up on PATH, by default python3."""
+    written = topology.engine_python or "python3"
+    if "/" in written:
+        return written
+    return shutil.which(written) or written
+
+
+@dataclass(frozen=True)
+class Preparation:
+    """A step the launcher runs (in pdctl's interpreter) before any server starts, unless
+    `marker` already holds `marker_text`: the preset written as a checkpoint."""
+
+    what: str
+    argv: tuple[str, ...]
+    marker: str
+    marker_text: str
 
 
 def base_slots(topology: Topology, server: ServerLayout) -> list[PortSlot]:
@@ -122,6 +155,8 @@ class ReferenceSpec:
     slots: tuple[PortSlot, ...]
     command: Command
     probes: tuple[Probe, ...]
+    env: tuple[EnvEntry, ...] = ()  # the engine's variables (placeholders filled at launch)
+    cores: tuple[int, ...] = ()  # its CPU affinity (every core where empty)
 
 
 class Engine(ABC):
@@ -130,6 +165,10 @@ class Engine(ABC):
     name: ClassVar[str]
     # flag -> the topology key that sets it; users must not pass these in `args`.
     managed_flags: ClassVar[Mapping[str, str]]
+    dialect: ClassVar[Dialect] = GenerateDialect()  # how verify phrases a request
+    proof: ClassVar[TransferProof | None] = None  # the engine's own transfer accounting
+    workdir: ClassVar[bool] = False  # each server runs in its own folder of the run
+    pd_flow: ClassVar[str] = "bootstrap"  # how a router splits a request (serve/router)
 
     @abstractmethod
     def port_slots(self, topology: Topology, server: ServerLayout) -> list[PortSlot]: ...
@@ -155,10 +194,31 @@ class Engine(ABC):
     def reference(self, topology: Topology, tp: int) -> ReferenceSpec:
         """The same engine and model, colocated at `tp`, every flag but disaggregation."""
 
+    def cores(self, topology: Topology, server: ServerLayout) -> tuple[int, ...]:
+        """The cores a server process (and every thread it makes) may run on; () for
+        all of them, the default."""
+        return ()
+
+    def interpreter(self, topology: Topology) -> str:
+        """The interpreter that runs this engine's servers (pdctl's, by default)."""
+        return python()
+
+    def requirements(self, topology: Topology, base: Requirements) -> Requirements:
+        """What the machine needs besides `base` (the topology's generic needs)."""
+        return base
+
+    def preparations(self, topology: Topology) -> list[Preparation]:
+        """Steps before any server starts (none by default)."""
+        return []
+
     def check(self, topology: Topology) -> Iterator[Issue]:
-        """Engine-specific rules; by default, no managed flag in a role's `args`."""
+        """Engine-specific rules; by default, no managed flag in a role's `args` or in
+        serving.args."""
         for role, spec in topology.roles.items():
             yield from managed_flag_issues(("roles", role, "args"), spec.args, self.managed_flags)
+        yield from managed_flag_issues(
+            ("serving", "args"), topology.serving.args, self.managed_flags
+        )
 
 
 def managed_flag_issues(

@@ -55,7 +55,7 @@ def model_args(topology: Topology) -> list[str | Arg]:
     if not serving.overlap:
         args.append("--disable-overlap")
     args.append("--deterministic" if serving.deterministic else "--no-deterministic")
-    return args
+    return [*args, *serving.args]
 
 
 class EmbeddedEngine(Engine):

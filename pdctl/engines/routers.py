@@ -1,18 +1,24 @@
-"""Router command lines: pdctl's builtin PD router or the real sglang-router.
+"""Router command lines: pdctl's builtin PD router, the real sglang-router or the real
+vllm-router.
 
-Both take the same shape of arguments (`--prefill URL BOOTSTRAP_PORT`, `--decode
-URL`), so either can front the servers of either engine.
+All take the same shape of arguments (`--prefill URL [BOOTSTRAP_PORT]`, `--decode
+URL`). pdctl's servers and SGLang's speak SGLang's flow (bootstrap fields, both sides
+at once): the builtin router and sglang-router front either. vLLM's servers speak
+vLLM's (prefill first, its `kv_transfer_params` then to decode): the builtin router
+with `--pd-flow vllm`, or vllm-router from the engine's environment.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 
+from pdctl.engines import get_engine
 from pdctl.engines.base import (
     Arg,
     Command,
     PortSlot,
     command,
+    engine_python,
     host_ref,
     managed_flag_issues,
     python,
@@ -36,6 +42,9 @@ MANAGED_FLAGS: Mapping[str, str] = {
     "--request-timeout-secs": "transfer.timeouts.request_s",
     "--prometheus-host": "host",
     "--prometheus-port": "(allocated at launch)",
+    "--pd-flow": "engine",
+    "--vllm-pd-disaggregation": "router.kind",
+    "--kv-connector": "transfer.backend",
 }
 
 
@@ -43,8 +52,8 @@ def router_slots(topology: Topology) -> list[PortSlot]:
     slots = [
         PortSlot(ROUTER, "http", "router HTTP API (the endpoint clients use)", topology.router.port)
     ]
-    if topology.router.kind == "sglang-router":  # its metrics listener has a fixed default
-        slots.append(PortSlot(ROUTER, "metrics", "sglang-router Prometheus metrics"))
+    if topology.router.kind != "builtin":  # their metrics listeners have fixed defaults
+        slots.append(PortSlot(ROUTER, "metrics", f"{topology.router.kind} Prometheus metrics"))
     return slots
 
 
@@ -57,24 +66,27 @@ def router_command(
     for server, slots in servers:
         where = url(host_ref(topology, server.name), slots["http"].ref)
         if server.role == "prefill":
-            workers += ["--prefill", where, Arg((slots["bootstrap"].ref,))]
+            workers += ["--prefill", where]
+            if "bootstrap" in slots:
+                workers.append(Arg((slots["bootstrap"].ref,)))
         elif server.role == "decode":
             workers += ["--decode", where]
         elif server.role == "encoder":
             workers += ["--encoder", where]
-    if topology.router.kind == "sglang-router":
-        head: list[str | Arg] = [
-            python(),
-            "-m",
-            "sglang_router.launch_router",
-            "--pd-disaggregation",
-        ]
-        timeout = f"{topology.transfer.timeouts.request_s:g}"
+    timeout = f"{topology.transfer.timeouts.request_s:g}"
+    kind = topology.router.kind
+    if kind in ("sglang-router", "vllm-router"):
+        head: list[str | Arg] = (
+            [python(), "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+            if kind == "sglang-router"
+            else [engine_python(topology), "-m", "vllm_router.launch_router",
+                  "--vllm-pd-disaggregation", "--kv-connector", topology.transfer.backend]
+        )  # fmt: skip
         tail: list[str | Arg] = ["--request-timeout-secs", timeout]
         tail += ["--prometheus-host", Arg((host,)), "--prometheus-port", Arg((extra[0].ref,))]
     else:
         head = [python(), "-m", "pdctl.serve", "--role", "router", "--topology-name", topology.name]
-        tail = ["--request-timeout", f"{topology.transfer.timeouts.request_s:g}"]
+        tail = ["--request-timeout", timeout, "--pd-flow", get_engine(topology.engine).pd_flow]
     args = [*head, *workers, "--host", Arg((host,)), "--port", Arg((http.ref,)), *tail]
     return command(*args, *topology.router.args)
 
@@ -98,4 +110,10 @@ def router_issues(topology: Topology) -> Iterator[Issue]:
             ("router", "kind"),
             "sglang-router does not route encoder (EPD) requests",
             "use router: builtin for topologies with an encoder",
+        )
+    if topology.router.kind == "vllm-router" and topology.engine != "vllm":
+        yield Issue(
+            ("router", "kind"),
+            f"vllm-router speaks vLLM's PD flow (kv_transfer_params), not {topology.engine}'s",
+            "use router: builtin (or sglang-router)",
         )

@@ -22,19 +22,27 @@ from pdctl.engines.base import (
     ReferenceSpec,
     base_slots,
     command,
+    engine_python,
     host_ref,
-    python,
 )
 from pdctl.engines.probes import Probe, health, on_http
+from pdctl.engines.proof import SGLangProof
 from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology
-from pdctl.topology.resolve import EnvEntry, ServerLayout, merged_user_env, role_spec
+from pdctl.topology.resolve import (
+    EnvEntry,
+    Requirements,
+    ServerLayout,
+    merged_user_env,
+    role_spec,
+)
 
 SUPPORTED = "0.5.23"  # the release the contract tests check against (tests/engines)
 
 
 class SGLangEngine(Engine):
     name = "sglang"
+    proof = SGLangProof()
     managed_flags: ClassVar[Mapping[str, str]] = {
         "--model-path": "model.path",
         "--host": "host",
@@ -57,6 +65,8 @@ class SGLangEngine(Engine):
         "--dtype": "model.dtype",
         "--random-seed": "model.seed",
         "--enable-deterministic-inference": "serving.deterministic",
+        "--context-length": "serving.max_model_len",
+        "--enable-metrics": "(verify reads the transfer counters)",
     }
 
     def port_slots(self, topology: Topology, server: ServerLayout) -> list[PortSlot]:
@@ -150,6 +160,21 @@ class SGLangEngine(Engine):
         ]
         return entries
 
+    def interpreter(self, topology: Topology) -> str:
+        return engine_python(topology)
+
+    def requirements(self, topology: Topology, base: Requirements) -> Requirements:
+        """SGLang and its transfer engine importable by the engine's interpreter."""
+        modules, reasons = ["sglang"], {**base.reasons, "sglang": "engine: sglang"}
+        if topology.transfer.backend in ("mooncake", "nixl"):
+            module = "mooncake.engine" if topology.transfer.backend == "mooncake" else "nixl"
+            modules.append(module)
+            reasons[module] = f"transfer.backend: {topology.transfer.backend}"
+        return Requirements(
+            base.device_type, base.device_count, base.min_free_memory_gb, base.modules,
+            base.capabilities, reasons, engine_python(topology), tuple(modules),
+        )  # fmt: skip
+
     def check(self, topology: Topology) -> Iterator[Issue]:
         yield from super().check(topology)
         if topology.transfer.staging.segment_size_mb is not None:
@@ -178,7 +203,7 @@ def _server_args(
     disaggregation flags) goes right after the listener."""
     serving = topology.serving
     args: list[str | Arg] = [
-        python(), "-m", "sglang.launch_server",
+        engine_python(topology), "-m", "sglang.launch_server",
         "--model-path", str(topology.model.path),
         "--host", Arg((host,)),
         "--port", Arg((slots["http"].ref,)),
@@ -203,4 +228,7 @@ def _server_args(
         args.append("--enable-deterministic-inference")
     if topology.model.dtype != "auto":
         args += ["--dtype", topology.model.dtype]
-    return [*args, "--random-seed", str(topology.model.seed)]
+    if serving.max_model_len is not None:
+        args += ["--context-length", str(serving.max_model_len)]
+    args += ["--random-seed", str(topology.model.seed), "--enable-metrics"]
+    return [*args, *serving.args]

@@ -227,15 +227,21 @@ class Starter:
         log_path: Path,
         *,
         die_with_parent: bool = True,
+        cwd: Path | None = None,
+        cores: tuple[int, ...] = (),
     ) -> Spawned:
-        server = self._server_for(argv, env) if die_with_parent else None
+        forkable = die_with_parent and cwd is None and not cores
+        server = self._server_for(argv, env) if forkable else None
         if server is not None and server.accepts(argv, env):
             log_path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 return Spawned(name, server.fork(argv, env, log_path), log_path)
             except ForkServerError as exc:
                 self._give_up(str(exc))
-        return spawn(name, argv, env, log_path, die_with_parent=die_with_parent)
+        where = None if cwd is None else str(cwd)
+        return spawn(
+            name, argv, env, log_path, die_with_parent=die_with_parent, cwd=where, cores=cores
+        )
 
     def _server_for(self, argv: Sequence[str], env: Mapping[str, str]) -> ForkServer | None:
         if not self.forks or tuple(argv[1:3]) != SERVER_MODULE:

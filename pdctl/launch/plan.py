@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdctl.engines import get_engine
-from pdctl.engines.base import Command, PortSlot, render_command, shell_line
+from pdctl.engines.base import (
+    Command,
+    PortSlot,
+    Preparation,
+    render_command,
+    shell_line,
+)
 from pdctl.engines.probes import Probe
 from pdctl.engines.routers import (
     ROUTER,
@@ -55,6 +61,8 @@ class ProcessPlan:
     env: tuple[EnvEntry, ...]
     command: Command
     probes: tuple[Probe, ...] = ()  # readiness, in order (the engine's own endpoints)
+    workdir: bool = False  # runs in its own folder of the run (`<workdir>` in its env)
+    cores: tuple[int, ...] = ()  # its CPU affinity, inherited by its threads (() = every core)
 
     def env_values(self) -> dict[str, str]:
         return {entry.name: entry.value for entry in self.env}
@@ -66,6 +74,8 @@ class LaunchPlan:
     processes: tuple[ProcessPlan, ...]
     requirements: Requirements
     warnings: tuple[Issue, ...]
+    preparations: tuple[Preparation, ...] = ()  # run before any server starts
+    engine_python: str = ""  # the interpreter that runs the engine's servers
 
     @property
     def topology(self) -> Topology:
@@ -96,11 +106,13 @@ class LaunchPlan:
             "topology": self.topology.name,
             "file": self.loaded.file,
             "engine": self.topology.engine,
+            "engine_python": self.engine_python,
             "device": self.topology.device,
             "deterministic": self.topology.serving.deterministic,
             "router_url": self.router_url,
             "requirements": self.requirements.to_json(),
             "warnings": [issue.to_json() for issue in self.warnings],
+            "preparations": [{"what": p.what, "command": list(p.argv)} for p in self.preparations],
             "processes": [
                 _process_json(process, parent, self.fixed_ports) for process in self.processes
             ],
@@ -115,6 +127,7 @@ def _process_json(
         "role": process.role,
         "replica": process.replica,
         "ranks": [{"rank": r.rank, "device": r.device, "title": r.title} for r in process.ranks],
+        "cores": list(process.cores),
         "ports": [
             {
                 "key": slot.key,
@@ -193,6 +206,8 @@ def make_plan(loaded: LoadedTopology) -> LaunchPlan:
                 env=tuple(env.values()),
                 command=engine.command(topology, server, by_name),
                 probes=tuple(engine.probes(topology, server, by_name)),
+                workdir=engine.workdir,
+                cores=engine.cores(topology, server),
             )
         )
     router_env = tuple(base_env(topology, ROUTER, ()))
@@ -208,4 +223,8 @@ def make_plan(loaded: LoadedTopology) -> LaunchPlan:
             probes=tuple(router_probes(topology)),
         )
     )
-    return LaunchPlan(loaded, tuple(processes), requirements(topology), loaded.warnings)
+    needs = engine.requirements(topology, requirements(topology))
+    prepared = tuple(engine.preparations(topology))
+    return LaunchPlan(
+        loaded, tuple(processes), needs, loaded.warnings, prepared, engine.interpreter(topology)
+    )

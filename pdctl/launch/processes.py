@@ -90,7 +90,17 @@ def spawn(
     *,
     die_with_parent: bool = True,
     cwd: str | None = None,
+    cores: tuple[int, ...] = (),
 ) -> Spawned:
+    """Start `argv` in its own session with its output in `log_path`; `cores` (if any)
+    is the CPU affinity it and every thread and child it makes inherit."""
+
+    def in_child() -> None:  # between fork and exec
+        if die_with_parent:
+            set_parent_death_signal()
+        if cores:
+            os.sched_setaffinity(0, cores)
+
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
@@ -100,7 +110,7 @@ def spawn(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=set_parent_death_signal if die_with_parent else None,
+            preexec_fn=in_child if die_with_parent or cores else None,
             cwd=cwd,
         )
     return Spawned(name, process, log_path)

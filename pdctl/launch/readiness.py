@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from pdctl.engines import get_engine
+from pdctl.engines.dialect import AnswerError
 from pdctl.engines.probes import Probe
-from pdctl.launch.stages import LaunchFailed, ProcessState
+from pdctl.launch.stages import REFERENCE_ROLE, LaunchFailed, ProcessState
 
 if TYPE_CHECKING:
     from pdctl.launch.run import Run
-
-CANARY = {"text": "pdctl canary", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 
 
 def wait_ready(run: Run, timeout: float | None, on_change: Callable[[Run], None] | None) -> None:
@@ -35,14 +35,14 @@ def wait_ready(run: Run, timeout: float | None, on_change: Callable[[Run], None]
             changed = poll(run, client)
             if changed and on_change is not None:
                 on_change(run)
-            if all(s.stage == "ready" for s in run.states):
+            if all(s.stage == "ready" for s in awaited(run)):
                 canary(run, deadline)
                 run.check_listeners()
                 if on_change is not None:
                     on_change(run)
                 return
             if time.monotonic() > deadline:
-                waiting = [s for s in run.states if s.stage != "ready"]
+                waiting = [s for s in awaited(run) if s.stage != "ready"]
                 report = "\n\n".join(run.describe(s) for s in waiting)
                 names = ", ".join(f"{s.plan.name} ({s.stage})" for s in waiting)
                 run.stop()
@@ -50,11 +50,17 @@ def wait_ready(run: Run, timeout: float | None, on_change: Callable[[Run], None]
             time.sleep(0.1)
 
 
+def awaited(run: Run) -> list[ProcessState]:
+    """The run's processes its readiness waits for: all but a reference server spawned
+    with it (`reference.StartingReference` waits for that one)."""
+    return [s for s in run.states if s.plan.role != REFERENCE_ROLE]
+
+
 def poll(run: Run, client: httpx.Client) -> bool:
     """One round of probes over the processes not ready yet; whether a stage moved."""
     run.check_exits()
     changed = False
-    for state in run.states:
+    for state in awaited(run):
         if state.stage == "ready":
             continue
         changed |= state.advance("alive")
@@ -95,21 +101,25 @@ def check(
 def canary(run: Run, deadline: float) -> None:
     """A 1-token request through the router: the proof that the run serves."""
     router: ProcessState = run.state("router")
+    dialect = get_engine(run.plan.topology.engine).dialect
+    path, request = dialect.canary()
     problem = ""
     while True:
         run.check_exits()
         started = time.monotonic()
         try:
-            response = httpx.post(f"{run.router_url}/generate", json=CANARY, timeout=30)
+            response = httpx.post(f"{run.router_url}{path}", json=request, timeout=30)
             if response.status_code == 200:
-                body = response.json()
+                answer = dialect.read(response.json())
                 run.canary = {
                     "ms": round((time.monotonic() - started) * 1e3, 1),
-                    "output_ids": body.get("output_ids"),
-                    "kv_transfer": body.get("meta_info", {}).get("kv_transfer"),
+                    "output_ids": answer.output_ids,
+                    "kv_transfer": answer.kv_transfer and answer.kv_transfer.to_json(),
                 }
                 return
             problem = f"canary request answered {response.status_code}: {response.text[:300]}"
+        except (AnswerError, ValueError) as exc:
+            problem = f"canary answer unreadable: {exc}: {response.text[:300]}"
         except httpx.HTTPError as exc:
             problem = f"canary request failed: {type(exc).__name__}: {exc}"
         router.detail = problem

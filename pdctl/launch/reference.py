@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING
 import httpx
 
 from pdctl.engines import get_engine
-from pdctl.engines.base import render_command
+from pdctl.engines.base import render_command, render_value
 from pdctl.launch.loopback import confine
 from pdctl.launch.plan import ProcessPlan
 from pdctl.launch.ports import Allocation, allocate
+from pdctl.launch.preparation import make_workdir
 from pdctl.launch.readiness import check
-from pdctl.launch.stages import LaunchFailed, ProcessState
+from pdctl.launch.stages import REFERENCE_ROLE, LaunchFailed, ProcessState
 from pdctl.topology.resolve import FAULTS_VAR, faults_of
 
 if TYPE_CHECKING:
@@ -50,22 +51,28 @@ class StartingReference:
 def spawn_reference(run: Run, tp: int = 1) -> StartingReference:
     """Spawn the reference next to `run`'s processes; `wait` says when its probes answer."""
     topology = run.plan.topology
-    spec = get_engine(topology.engine).reference(topology, tp)
+    engine = get_engine(topology.engine)
+    spec = engine.reference(topology, tp)
     ports = allocate(list(spec.slots), run.host)
-    plan = ProcessPlan("reference", "colocated", 0, (), spec.slots, (), spec.command, spec.probes)
+    plan = ProcessPlan("reference", REFERENCE_ROLE, 0, (), spec.slots, spec.env, spec.command,
+                       spec.probes, engine.workdir)  # fmt: skip
     state = ProcessState(plan, f"http://{run.host}:{ports.ports['reference.http']}")
+    values = {**run.render_map, **ports.ports, "workdir": str(run.workdir("reference"))}
     env = {**run.parent_env, "PDCTL_LOG_DIR": str(run.dir), "PDCTL_PROCESS_NAME": "reference"}
+    env |= {entry.name: render_value(entry.value, values) for entry in spec.env}
     env.setdefault("PYTHONUNBUFFERED", "1")  # as the run's servers: its log as it happens
     faults = faults_of(topology, "colocated")  # engine faults: the reference has them too
     if faults:
         env[FAULTS_VAR] = json.dumps(faults)
     confine(env, run.host)
     run.dir.mkdir(parents=True, exist_ok=True)
+    where = make_workdir(run.workdir("reference")) if engine.workdir else None
     argv = render_command(spec.command, ports.ports)
     try:
         state.spawned = run.starter.spawn(
-            "reference", argv, env, run.dir / "reference-tp0.log", die_with_parent=not run.detach
-        )
+            "reference", argv, env, run.dir / "reference-tp0.log",
+            die_with_parent=not run.detach, cwd=where, cores=spec.cores,
+        )  # fmt: skip
     except BaseException:
         ports.release()
         raise

@@ -3,7 +3,8 @@
 A topology this machine cannot run is skipped with the reason (exit code 4), never
 started to fail: `engine: sglang` without SGLang, a CUDA topology without enough
 GPUs or free memory, a NIXL topology without NIXL or its UCX plugin, Mooncake with
-MC_USE_TENT=1 on a build without TENT. Modules are looked up without importing
+MC_USE_TENT=1 on a build without TENT, `engine: vllm` whose interpreter has no vLLM
+or on fewer cores than server ranks. Modules are looked up without importing
 them; devices, free memory and capabilities come from `pdctl doctor --json`, run
 in a subprocess (once, and only when a topology needs them), so the CLI itself
 never imports torch. A topology that needs CUDA devices and no capability asks
@@ -22,12 +23,9 @@ import sys
 from functools import lru_cache
 from typing import Any
 
-from pdctl.topology.resolve import Requirements
-
-# A required module -> the import names that provide it (NIXL ships per CUDA major).
-MODULE_ALIASES: dict[str, tuple[str, ...]] = {
-    "nixl": ("nixl", "nixl_cu12", "nixl_cu13"),
-}
+from pdctl.launch.engine_env import ALIASES as MODULE_ALIASES
+from pdctl.launch.engine_env import probe
+from pdctl.topology.resolve import Requirements, available_cores
 
 
 def module_available(name: str) -> bool:
@@ -97,9 +95,32 @@ def cuda_devices(visible: str | None = None) -> dict[str, Any] | None:
     return {"devices": {"cuda": len(shown)}, "device_memory_free_gb": {"cuda": shown}}
 
 
+def engine_problems(requirements: Requirements) -> list[str]:
+    """The engine's modules as its own interpreter finds them, and this machine's cores."""
+    problems = []
+    if requirements.python is not None and requirements.engine_modules:
+        found = probe(requirements.python, requirements.engine_modules)
+        if found.error is not None:
+            problems.append(f"the engine's interpreter: {found.error} (set engine_python)")
+        for module in requirements.engine_modules if found.error is None else ():
+            if not found.modules.get(module):
+                why = requirements.reasons.get(module)
+                problems.append(
+                    f"needs the Python module {module} in the engine's environment "
+                    f"({requirements.python})" + (f" ({why})" if why else "")
+                )
+    cores = len(available_cores())
+    if requirements.cpu_cores > cores:
+        problems.append(
+            f"needs {requirements.cpu_cores} CPU cores (a core of its own for every server "
+            f"rank), this machine lets pdctl use {cores}"
+        )
+    return problems
+
+
 def unmet(requirements: Requirements) -> list[str]:
     """What this machine lacks, each with the topology's reason for needing it."""
-    problems = []
+    problems = engine_problems(requirements)
     for module in requirements.modules:
         if not module_available(module):
             why = requirements.reasons.get(module)

@@ -23,13 +23,14 @@ from typing import Any
 
 import httpx
 
-from pdctl.engines.base import render_command
+from pdctl.engines.base import render_command, render_value
 from pdctl.launch import state as run_state
 from pdctl.launch.forking import Starter, forks_by_default
 from pdctl.launch.listeners import Listener, listeners
 from pdctl.launch.loopback import confine, is_loopback
 from pdctl.launch.plan import LaunchPlan, ProcessPlan
 from pdctl.launch.ports import Allocation, allocate
+from pdctl.launch.preparation import make_workdir, prepare
 from pdctl.launch.processes import start_time, stop_groups
 from pdctl.launch.readiness import wait_ready
 from pdctl.launch.reference import StartingReference, spawn_reference, start_reference
@@ -102,9 +103,15 @@ class Run:
     def state(self, name: str) -> ProcessState:
         return next(s for s in self.states if s.plan.name == name)
 
+    def workdir(self, name: str) -> Path:
+        """The folder of the run a process of an engine that asks for one works in."""
+        return self.dir / name
+
     def env_overrides(self, process: ProcessPlan) -> dict[str, str]:
-        """What the process's environment changes of its parent's: topology and run."""
-        env = {entry.name: entry.value for entry in process.env}
+        """What the process's environment changes of its parent's: topology and run (its
+        ports and folder filled into the values that name them)."""
+        values = {**self.render_map, "workdir": str(self.workdir(process.name))}
+        env = {entry.name: render_value(entry.value, values) for entry in process.env}
         env[RUN_ID_VAR] = self.run_id
         env[RUN_SECRET_VAR] = self.secret  # never on a command line
         env["PDCTL_LOG_DIR"] = str(self.dir)
@@ -179,7 +186,9 @@ class Run:
             self.stop()
 
     def start(self) -> None:
-        """Allocate ports and spawn every process (servers first, the router last)."""
+        """Prepare, allocate ports and spawn every process (servers first, the router
+        last)."""
+        prepare(self.plan.preparations)
         slots = [slot for process in self.plan.processes for slot in process.ports]
         self.allocation = allocate(slots, self.host)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -188,6 +197,9 @@ class Run:
             self.states.append(ProcessState(process, f"http://{self.host}:{port}"))
         try:
             for state in self.states:
+                where = None
+                if state.plan.workdir:
+                    where = make_workdir(self.workdir(state.plan.name))
                 argv = render_command(state.plan.command, self.ports)
                 state.spawned = self.starter.spawn(
                     state.plan.name,
@@ -195,6 +207,8 @@ class Run:
                     self.env_for(state.plan),
                     self.dir / f"{state.plan.name}-tp0.log",
                     die_with_parent=not self.detach,
+                    cwd=where,
+                    cores=state.plan.cores,
                 )
         except OSError as exc:
             self.stop()

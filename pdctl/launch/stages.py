@@ -18,6 +18,9 @@ from pdctl.launch.processes import Spawned
 STAGES = ("starting", "alive", "healthy", "ready")
 
 
+REFERENCE_ROLE = "colocated"  # the role of a run's colocated reference server
+
+
 class LaunchFailed(LaunchError):
     """The run could not come up; `report` says which process and why (with its log)."""
 

@@ -49,6 +49,7 @@ class ServerArgs:
     decode: tuple[str, ...] = field(default_factory=tuple)
     encoder: tuple[str, ...] = field(default_factory=tuple)
     request_timeout: float = 120.0
+    pd_flow: str = "bootstrap"  # router: bootstrap (pdctl's and SGLang's servers) or vllm
     embedding_pool_mb: float = 16.0
     deterministic: bool = True  # fixed-order kernels (ops.py); False: the vendor fast path
     rank_devices: tuple[int, ...] = ()  # each rank's index in the device mask; () = its rank
@@ -116,6 +117,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="append", default=[])
     p.add_argument("--encoder", action="append", default=[])
     p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--pd-flow", choices=["bootstrap", "vllm"], default="bootstrap",
+        help="router: bootstrap fields to both sides at once (pdctl, SGLang), or vLLM's "
+        "kv_transfer_params through prefill then decode",
+    )  # fmt: skip
     p.add_argument("--embedding-pool-mb", type=float, default=16.0)
     return p
 
@@ -144,7 +150,7 @@ def parse(argv: list[str]) -> ServerArgs:
         staging_segment_mb=a.staging_segment_mb, bootstrap_port=a.bootstrap_port,
         connect_timeout=a.connect_timeout, bootstrap_timeout=a.bootstrap_timeout,
         transfer_timeout=a.transfer_timeout, prefill=tuple(prefill), decode=tuple(a.decode),
-        encoder=tuple(a.encoder), request_timeout=a.request_timeout,
+        encoder=tuple(a.encoder), request_timeout=a.request_timeout, pd_flow=a.pd_flow,
         embedding_pool_mb=a.embedding_pool_mb, deterministic=a.deterministic,
         rank_devices=_rank_devices(p, a.rank_devices, a.tp),
         cuda_graphs=_switch(p, GRAPHS_VARIABLE, os.environ) and a.cuda_graphs,

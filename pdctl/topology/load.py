@@ -7,6 +7,7 @@ warnings come back with the result. Nothing here prints or exits.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +78,7 @@ def load_text(text: str, file: str = "<topology>", base_dir: Path | None = None)
     issues = _sorted([_locate(issue, file, source) for issue in run_rules(topology, context)])
     if errors_only(issues):
         raise TopologyError(issues)
-    topology = _with_model_path(topology, context)
+    topology = _with_engine_python(_with_model_path(topology, context), context)
     return LoadedTopology(topology, file, source, context.base_dir, tuple(issues))
 
 
@@ -89,10 +90,20 @@ def _with_model_path(topology: Topology, context: RuleContext) -> Topology:
     written = topology.model.path
     if path is None or written is None or str(path) == written:
         return topology
-    if topology.engine == "sglang" and not path.exists():
+    if topology.engine != "embedded" and not path.exists():
         return topology
     model = topology.model.model_copy(update={"path": str(path.resolve())})
     return topology.model_copy(update={"model": model})
+
+
+def _with_engine_python(topology: Topology, context: RuleContext) -> Topology:
+    """engine_python made absolute when it is a path (it holds a '/'): relative to the
+    topology file's folder, as model.path. A bare name stays a command looked up on PATH."""
+    written = topology.engine_python
+    if written is None or "/" not in written:
+        return topology
+    path = os.path.normpath(context.base_dir / Path(written).expanduser())  # links kept: a
+    return topology.model_copy(update={"engine_python": path})  # venv's python is one
 
 
 def _sorted(issues: list[Issue]) -> list[Issue]:

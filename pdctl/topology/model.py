@@ -79,13 +79,17 @@ class ModelSpec(Strict):
     """Which model the servers run. Either a built-in preset or a checkpoint path."""
 
     preset: Literal["tiny", "small"] = Field(
-        "tiny", description="Built-in deterministic model (embedded engine only)."
+        "tiny",
+        description="Built-in deterministic model: pdctl's servers draw its weights from the "
+        "seed; engine vllm serves the same weights, written once as a Hugging Face Llama "
+        "checkpoint under launcher.run_dir/models.",
     )
     path: str | None = Field(
         None,
         description="Local Hugging Face checkpoint directory (config.json + *.safetensors), "
         "relative to the topology file; the embedded engine serves Llama (Llama 3.x RoPE "
-        "scaling included), Qwen2, Qwen3 and Mistral; for engine sglang also a hub id.",
+        "scaling included), Qwen2, Qwen3 and Mistral; for engines sglang and vllm also a hub "
+        "id.",
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="auto: float32 on cpu, bfloat16 on accelerators."
@@ -203,8 +207,10 @@ def _kind_shorthand(value: Any) -> Any:
 class RouterSpec(Strict):
     """The router clients talk to; `router: KIND` is short for `router: {kind: KIND}`."""
 
-    kind: Literal["builtin", "sglang-router"] = Field(
-        "builtin", description="pdctl's router or the real sglang-router."
+    kind: Literal["builtin", "sglang-router", "vllm-router"] = Field(
+        "builtin",
+        description="pdctl's router, the real sglang-router, or the real vllm-router (engine "
+        "vllm; found beside engine_python).",
     )
     port: Port | None = Field(None, description="Fixed port; allocated at launch if unset.")
     env: EnvMap = Field(default_factory=dict, description="Environment overrides of the router.")
@@ -250,12 +256,26 @@ class ServingSpec(Strict):
         None, ge=1, description="KV pool size in tokens per server; derived if unset."
     )
     overlap: bool = Field(True, description="Schedule the next batch while one runs.")
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        le=16_777_216,
+        description="Longest prompt plus answer a server takes (vllm: --max-model-len, sglang: "
+        "--context-length); default: the model's.",
+    )
+    args: list[Text] = Field(
+        default_factory=list,
+        description="Extra engine arguments for every server of the topology, the colocated "
+        "reference included (roles.<role>.args reach that role's servers only).",
+    )
     deterministic: bool = Field(
         True,
         description="Batch-invariant serving: the same tokens whatever the batch, chunking, "
         "prefix hit or TP split (embedded: fixed-order kernels, Triton products on CUDA and "
-        "XPU, one thread on cpu; sglang: --enable-deterministic-inference). false: the vendor "
-        "fast path, and verify reports engine numerics without failing on them.",
+        "XPU, one thread on cpu; sglang: --enable-deterministic-inference; vllm: "
+        "VLLM_BATCH_INVARIANT=1 on cuda and xpu, refused on cpu where vLLM 0.32 fails its "
+        "first request with it). false: the vendor fast path, and verify reports engine "
+        "numerics without failing on them.",
     )
 
 
@@ -336,8 +356,18 @@ class Topology(Strict):
     suites: list[Annotated[str, Field(pattern=NAME_PATTERN)]] = Field(
         default_factory=list, description="Tags that select this topology in `pdctl nightly`."
     )
-    engine: Literal["embedded", "sglang"] = Field(
-        "embedded", description="embedded: pdctl's own servers; sglang: real SGLang servers."
+    engine: Literal["embedded", "sglang", "vllm"] = Field(
+        "embedded",
+        description="embedded: pdctl's own servers; sglang: real SGLang servers; vllm: real "
+        "vLLM servers.",
+    )
+    engine_python: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="The Python interpreter of the engine's own environment (sglang, vllm): a "
+        "path (relative to the topology file, ~ expanded) or a command on PATH. Default: "
+        "python3 on PATH. The embedded engine always runs in pdctl's interpreter.",
     )
     model: ModelSpec = Field(default_factory=ModelSpec, description="The model every role runs.")
     device: DeviceType = Field("cpu", description="Device type every role runs on.")
@@ -345,7 +375,8 @@ class Topology(Strict):
     roles: Roles = Field(description="prefill and decode (required), encoder (optional).")
     transfer: TransferSpec = Field(default_factory=TransferSpec, description="KV transfer.")
     router: Annotated[RouterSpec, BeforeValidator(_kind_shorthand)] = Field(
-        default_factory=RouterSpec, description="builtin or sglang-router, or a mapping."
+        default_factory=RouterSpec,
+        description="builtin, sglang-router or vllm-router, or a mapping.",
     )
     env: EnvMap = Field(default_factory=dict, description="Environment of every process.")
     requires: RequiresSpec = Field(

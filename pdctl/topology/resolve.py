@@ -15,6 +15,7 @@ Device assignment, for a role without explicit `devices` on an accelerator:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -77,6 +78,9 @@ class Requirements:
     modules: tuple[str, ...]
     capabilities: tuple[str, ...]
     reasons: Mapping[str, str] = field(default_factory=dict)  # item -> why it is required
+    python: str | None = None  # the engine's interpreter (None: pdctl's own)
+    engine_modules: tuple[str, ...] = ()  # importable by `python`
+    cpu_cores: int = 0  # cores this process may run on (one per server rank, where placed)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -85,6 +89,9 @@ class Requirements:
             "min_free_memory_gb": self.min_free_memory_gb,
             "modules": list(self.modules),
             "capabilities": list(self.capabilities),
+            "python": self.python,
+            "engine_modules": list(self.engine_modules),
+            "cpu_cores": self.cpu_cores,
             "reasons": dict(self.reasons),
         }
 
@@ -122,6 +129,36 @@ def servers(topology: Topology) -> list[ServerLayout]:
         for role, spec in topology.roles.items()
         for replica in range(spec.replicas)
     ]
+
+
+def available_cores() -> tuple[int, ...]:
+    """The cores this process may run on (its affinity: taskset and cpusets included)."""
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def cpu_placement(
+    topology: Topology, cores: tuple[int, ...]
+) -> dict[str, tuple[tuple[int, ...], ...]] | None:
+    """Each rank of each server its own cores, on a CPU topology: the cores split evenly
+    over every server rank in launch order, the rest left to pdctl and the router. None
+    when there are fewer cores than ranks (the requirements then say so).
+
+        cores 0-3, prefill tp 1, decode tp 2:  prefill-0: (0,)   decode-0: (1,), (2,)
+    """
+    layout = servers(topology)
+    ranks = sum(server.tp for server in layout)
+    if not ranks or len(cores) < ranks:
+        return None
+    width = len(cores) // ranks
+    placed: dict[str, tuple[tuple[int, ...], ...]] = {}
+    start = 0
+    for server in layout:
+        groups = []
+        for _ in range(server.tp):
+            groups.append(tuple(cores[start : start + width]))
+            start += width
+        placed[server.name] = tuple(groups)
+    return placed
 
 
 def role_spec(topology: Topology, role: str) -> RoleSpec:
@@ -206,6 +243,22 @@ def _any_env_set(topology: Topology, names: tuple[str, ...]) -> str | None:
     return None
 
 
+def transport_needs(topology: Topology) -> Iterator[tuple[str, str, str]]:
+    """(module | capability, name, why) the transfer backend needs where it is imported."""
+    backend = topology.transfer.backend
+    if backend == "mooncake":
+        yield "module", "mooncake.engine", "transfer.backend: mooncake"
+        if topology.transfer.effective_protocol == "rdma":
+            yield "capability", "mooncake.rdma", "transfer.protocol: rdma"
+        tent = _any_env_set(topology, ("MC_USE_TENT", "MC_USE_TEV1"))
+        if tent is not None:  # Mooncake engages TENT whenever it is set, to any value
+            yield "capability", "mooncake.tent", f"{tent} set: Mooncake then runs its TENT engine"
+    elif backend == "nixl":
+        yield "module", "nixl", "transfer.backend: nixl"
+        plugin = (topology.transfer.nixl_backend or "UCX").lower()
+        yield "capability", f"nixl.{plugin}", f"the NIXL {plugin.upper()} plugin moves the KV"
+
+
 def requirements(topology: Topology) -> Requirements:
     explicit = topology.requires
     reasons: dict[str, str] = {}
@@ -224,20 +277,11 @@ def requirements(topology: Topology) -> Requirements:
             items.append(item)
             reasons[item] = why
 
-    backend = topology.transfer.backend
-    if backend == "mooncake":
-        need(modules, "mooncake.engine", "transfer.backend: mooncake")
-        if topology.transfer.effective_protocol == "rdma":
-            need(capabilities, "mooncake.rdma", "transfer.protocol: rdma")
-        tent = _any_env_set(topology, ("MC_USE_TENT", "MC_USE_TEV1"))
-        if tent is not None:  # Mooncake engages TENT whenever it is set, to any value
-            need(capabilities, "mooncake.tent", f"{tent} set: Mooncake then runs its TENT engine")
-    elif backend == "nixl":
-        need(modules, "nixl", "transfer.backend: nixl")
-        plugin = (topology.transfer.nixl_backend or "UCX").lower()
-        need(capabilities, f"nixl.{plugin}", f"the NIXL {plugin.upper()} plugin moves the KV")
-    if topology.engine == "sglang":
-        need(modules, "sglang", "engine: sglang")
+    # pdctl's servers import the transport in pdctl's interpreter; another engine's
+    # connector is checked in its own interpreter (Engine.requirements)
+    if topology.engine == "embedded":
+        for kind, item, why in transport_needs(topology):
+            need(modules if kind == "module" else capabilities, item, why)
     if topology.router.kind == "sglang-router":
         need(modules, "sglang_router", "router: sglang-router")
     if topology.launcher.kind == "ray":

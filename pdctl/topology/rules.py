@@ -60,8 +60,8 @@ def check_model(topology: Topology, context: RuleContext) -> Iterator[Issue]:
             "set model.path to a checkpoint directory or a Hugging Face hub id",
         )
     path = model_path(topology, context)
-    if path is None or (topology.engine == "sglang" and not path.exists()):
-        return  # SGLang also accepts hub ids, which only SGLang can resolve
+    if path is None or (topology.engine != "embedded" and not path.exists()):
+        return  # SGLang and vLLM also accept hub ids, which only they can resolve
     if not path.is_dir():
         yield Issue(
             ("model", "path"),
@@ -79,7 +79,8 @@ def check_model(topology: Topology, context: RuleContext) -> Iterator[Issue]:
         yield Issue(
             ("model", "path"),
             f"'{written}/config.json': {exc}",
-            f"the embedded engine runs {supported_checkpoints()}; engine: sglang runs many more",
+            f"the embedded engine runs {supported_checkpoints()}; engines sglang and vllm run "
+            "many more",
         )
     except FileNotFoundError:
         yield Issue(
@@ -227,6 +228,12 @@ def check_serving(topology: Topology, context: RuleContext) -> Iterator[Issue]:
             f"{serving.chunked_prefill_tokens} is not a multiple of serving.page_size "
             f"({serving.page_size})",
             "prefill chunks end on page boundaries",
+        )
+    if serving.max_model_len is not None and topology.engine == "embedded":
+        yield Issue(
+            ("serving", "max_model_len"),
+            "applies to engines sglang and vllm; pdctl's servers take the model's positions",
+            "remove serving.max_model_len",
         )
     pool = serving.kv_pool_tokens
     if pool is not None and pool < serving.chunked_prefill_tokens:

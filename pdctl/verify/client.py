@@ -1,4 +1,9 @@
-"""One verify request over HTTP, and what came back (or why nothing did)."""
+"""One verify request over HTTP, and what came back (or why nothing did).
+
+The request is phrased, and the answer read, in the engine's dialect
+(`engines.dialect`): `/generate` for pdctl's servers and SGLang, OpenAI completions
+with token ids for vLLM.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from pdctl.engines.dialect import AnswerError, Dialect, GenerateDialect
 from pdctl.records import KVTransfer, ServerInfo
 from pdctl.verify.workload import Prompt
 
@@ -28,6 +34,7 @@ class Result:
     latency_ms: float = 0.0
     error: str | None = None
     status: int | None = None
+    transfer_proven: str | None = None  # the engine's accounting that proved its transfer
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -41,16 +48,8 @@ class Result:
             "embedding_transfer": self.embedding_transfer,
             "latency_ms": round(self.latency_ms, 2),
             "error": self.error,
+            "transfer_proven": self.transfer_proven,
         }
-
-
-def request_body(prompt: Prompt, max_new_tokens: int) -> dict[str, Any]:
-    return {
-        **prompt.body(),
-        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-        "return_logprob": True,
-        "top_logprobs_num": TOP,
-    }
 
 
 def _error_text(response: httpx.Response) -> str:
@@ -65,13 +64,20 @@ def _error_text(response: httpx.Response) -> str:
 
 
 def generate(
-    client: httpx.Client, url: str, prompt: Prompt, max_new_tokens: int, timeout: float
+    client: httpx.Client,
+    url: str,
+    prompt: Prompt,
+    max_new_tokens: int,
+    timeout: float,
+    dialect: Dialect = GenerateDialect(),
 ) -> Result:
     started = time.perf_counter()
     try:
-        response = client.post(
-            f"{url}/generate", json=request_body(prompt, max_new_tokens), timeout=timeout
-        )
+        path, body = dialect.request(prompt.body(), max_new_tokens, TOP)
+    except AnswerError as exc:
+        return Result(prompt, False, error=str(exc))
+    try:
+        response = client.post(f"{url}{path}", json=body, timeout=timeout)
     except httpx.TimeoutException:
         return Result(
             prompt,
@@ -95,47 +101,39 @@ def generate(
             error=_error_text(response),
             status=response.status_code,
         )
-    return _answer(prompt, response, latency, max_new_tokens)
+    return _answer(prompt, response, latency, max_new_tokens, dialect)
 
 
-def _answer(prompt: Prompt, response: httpx.Response, latency: float, wanted: int) -> Result:
+def _answer(
+    prompt: Prompt, response: httpx.Response, latency: float, wanted: int, dialect: Dialect
+) -> Result:
     """A 200 answer read into a Result; one without output tokens fails its request."""
     try:
-        body = response.json()
-    except ValueError:
+        answer = dialect.read(response.json())
+    except ValueError as exc:  # not JSON, or not an answer of this dialect
+        what = exc if isinstance(exc, AnswerError) else "the answer is not JSON"
         return Result(prompt, False, latency_ms=latency, status=200,
-                      error=f"the answer is not JSON: {response.text[:200]!r}")  # fmt: skip
-    meta = body.get("meta_info", {}) if isinstance(body, dict) else {}
-    output_ids = list(body.get("output_ids") or []) if isinstance(body, dict) else []
-    try:
-        transfer = None
-        if meta.get("kv_transfer") is not None:
-            transfer = KVTransfer.from_json(meta["kv_transfer"], "meta_info.kv_transfer")
-    except ValueError as exc:
-        return Result(prompt, False, latency_ms=latency, status=200, error=f"the answer's {exc}")
-    if not output_ids and wanted > 0:
+                      error=f"{what}: {response.text[:200]!r}")  # fmt: skip
+    if not answer.output_ids and wanted > 0:
         return Result(
             prompt,
             False,
             latency_ms=latency,
             status=200,
-            kv_transfer=transfer,
+            kv_transfer=answer.kv_transfer,
             error=f"the answer carried no output tokens ({wanted} asked for; finish reason "
-            f"{meta.get('finish_reason')})",
+            f"{answer.finish_reason})",
         )
-    token_lps = meta.get("output_token_logprobs") or []
-    tops = meta.get("output_top_logprobs") or []
-    logits = meta.get("output_token_logits") or []
     return Result(
         prompt,
         True,
-        output_ids=output_ids,
-        logprobs=[float(entry[0]) for entry in token_lps],
-        top=[[(int(e[1]), float(e[0])) for e in position or []] for position in tops],
-        logits=[None if v is None else float(v) for v in logits],
-        cached_tokens=int(meta.get("cached_tokens", 0) or 0),
-        kv_transfer=transfer,
-        embedding_transfer=meta.get("embedding_transfer"),
+        output_ids=answer.output_ids,
+        logprobs=answer.logprobs,
+        top=answer.top,
+        logits=answer.logits,
+        cached_tokens=answer.cached_tokens,
+        kv_transfer=answer.kv_transfer,
+        embedding_transfer=answer.embedding_transfer,
         latency_ms=latency,
         status=200,
     )
@@ -165,6 +163,11 @@ def served_model(client: httpx.Client, urls: list[str]) -> ServedModel:
     dtypes: set[str] = set()
     modes: set[bool] = set()
     for url in urls:
+        listed = _get(client, f"{url}/v1/models").get("data")  # OpenAI servers (vLLM)
+        if isinstance(listed, list) and listed and isinstance(listed[0], dict):
+            longest = listed[0].get("max_model_len")
+            if isinstance(longest, int) and not isinstance(longest, bool) and longest > 0:
+                sizes["max_context"].append(longest)
         model = _get(client, f"{url}/get_model_info")
         for key, found in sizes.items():
             value = model.get(key)
@@ -186,14 +189,25 @@ def served_model(client: httpx.Client, urls: list[str]) -> ServedModel:
     )
 
 
-def flush(client: httpx.Client, urls: list[str]) -> list[str]:
-    """POST /flush_cache to each server; problems, if any (a router may not have it)."""
+def flush(client: httpx.Client, urls: list[str], path: str = "/flush_cache") -> list[str]:
+    """POST `path` (the dialect's cache flush) to each server; problems, if any (a router
+    may not have it; vLLM answers success false while blocks are held)."""
     problems = []
     for url in urls:
         try:
-            response = client.post(f"{url}/flush_cache", timeout=30)
+            response = client.post(f"{url}{path}", timeout=30)
             if response.status_code >= 400:
-                problems.append(f"{url}/flush_cache answered {response.status_code}")
+                problems.append(f"{url}{path} answered {response.status_code}")
+            elif _json(response).get("success") is False:
+                problems.append(f"{url}{path} answered success false (blocks still held)")
         except httpx.HTTPError as exc:
-            problems.append(f"{url}/flush_cache: {type(exc).__name__}")
+            problems.append(f"{url}{path}: {type(exc).__name__}")
     return problems
+
+
+def _json(response: httpx.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}

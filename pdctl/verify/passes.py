@@ -7,8 +7,10 @@
     reference      a colocated server of the same model, no KV transfer at all
 
 Each function fills the PassResult it is given, request by request, so a pass cut
-short by a dying role keeps what it got. Comparing and the control before blame
-are the runner's (`runner.py`, `control.py`).
+short by a dying role keeps what it got. Where the engine accounts for its transfers
+(vLLM, SGLang), each PD request of a serial pass, and each concurrent pass as a
+whole, is proven transferred from that accounting (`transfer.py`). Comparing and the
+control before blame are the runner's (`runner.py`, `control.py`).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from typing import Any
 
 import httpx
 
+from pdctl.engines.dialect import Dialect, GenerateDialect
 from pdctl.errors import LaunchError
 from pdctl.verify.client import Result, flush, generate
 from pdctl.verify.diagnose import Finding
 from pdctl.verify.targets import NoReference, Target
+from pdctl.verify.transfer import Counters, ProofReader, Unreadable, judge
 from pdctl.verify.workload import Prompt
 
 
@@ -40,6 +44,7 @@ class Settings:
     deterministic: bool  # the topology asked for batch-invariant serving: numerics fail
     timeout: float
     compute_dtype: str | None = None  # margins are read in units of its last place
+    engine: str = "embedded"  # whose dialect verify speaks and whose accounting it reads
 
 
 @dataclass
@@ -87,10 +92,31 @@ class Context:
     passes: list[PassResult] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     stopped: threading.Event = field(default_factory=threading.Event)  # a pass beside ends
+    dialect: Dialect = field(default_factory=GenerateDialect)
+    reader: ProofReader | None = None  # the engine's transfer accounting, where it has one
 
     def send(self, url: str, prompt: Prompt, max_new_tokens: int | None = None) -> Result:
         tokens = self.settings.max_new_tokens if max_new_tokens is None else max_new_tokens
-        return generate(self.client, url, prompt, tokens, self.settings.timeout)
+        return generate(self.client, url, prompt, tokens, self.settings.timeout, self.dialect)
+
+    def flush(self, urls: list[str]) -> list[str]:
+        return flush(self.client, urls, self.dialect.flush_path)
+
+    def proven(self, pass_name: str, results: list[Result], before: Counters) -> None:
+        """PD requests answered since `before`: proven transferred, or a finding."""
+        if self.reader is not None:
+            found = judge(self.reader, pass_name, results, before)
+            if found is not None:
+                self.findings.append(found)
+
+    def counters(self) -> Counters:
+        """The engine's transfer counters now (what could not be read, as text)."""
+        if self.reader is None:
+            return {}
+        try:
+            return self.reader.snapshot()
+        except Unreadable as exc:
+            return str(exc)
 
     def send_all(self, url: str, prompts: list[Prompt]) -> list[Result]:
         """Every prompt at once, up to the concurrency; results in prompt order."""
@@ -125,21 +151,27 @@ def _serially(
         if beside and ctx.stopped.is_set():
             result.skipped = "stopped: the passes beside it ended"
             return
+        if beside:
+            result.results.append(ctx.send(url, prompt))
+            continue
+        before = ctx.counters()
         result.results.append(ctx.send(url, prompt))
-        if not beside:
-            ctx.alive()
+        ctx.alive()
+        ctx.proven(result.name, result.results[-1:], before)
 
 
 def serial(ctx: Context, result: PassResult) -> None:
-    result.notes += flush(ctx.client, ctx.target.workers)
+    result.notes += ctx.flush(ctx.target.workers)
     _serially(ctx, result, ctx.target.router_url, ctx.prompts)
 
 
 def concurrent(ctx: Context, result: PassResult) -> None:
     if ctx.settings.serial_compare:  # compared with a cold serial pass: start cold too
-        result.notes += flush(ctx.client, ctx.target.workers)
+        result.notes += ctx.flush(ctx.target.workers)
+    before = ctx.counters()
     result.results = ctx.send_all(ctx.target.router_url, ctx.prompts)
     ctx.alive()
+    ctx.proven(result.name, result.results, before)
 
 
 def prefix_hit(ctx: Context, result: PassResult) -> None:
@@ -150,7 +182,7 @@ def prefix_hit(ctx: Context, result: PassResult) -> None:
     if not family:
         result.skipped = "the workload has no prefix family"
         return
-    result.notes += flush(ctx.client, ctx.target.decode_urls)  # prefill keeps its radix cache
+    result.notes += ctx.flush(ctx.target.decode_urls)  # prefill keeps its radix cache
     # families some earlier pass served whole: their prefix must be in prefill's cache
     served = {r.prompt.family for run in ctx.passes for r in run.results if r.ok}
     _serially(ctx, result, ctx.target.router_url, family)

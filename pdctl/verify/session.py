@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import yaml
 
+from pdctl.engines import get_engine
 from pdctl.errors import LaunchError, RequirementsUnmet, UsageError
 from pdctl.launch.plan import LaunchPlan, check_engine, load_checked, make_plan
 from pdctl.launch.requirements import unmet
@@ -101,6 +102,7 @@ def settings_of(
         timeout=options.timeout
         or (topology.transfer.timeouts.request_s if topology is not None else 120.0),
         compute_dtype=topology.effective_dtype if topology is not None else served.dtype,
+        engine=topology.engine if topology is not None else "embedded",
     )
     return settings, count, seed
 
@@ -182,9 +184,18 @@ def _settings_json(settings: Settings, topology: Topology | None) -> dict[str, A
         "near_tie_fails": settings.deterministic,
         "deterministic": settings.deterministic,
         "compute_dtype": settings.compute_dtype,
+        "engine": settings.engine,
+        "transfer_proof": _proof_source(settings.engine),
         "timeout_s": settings.timeout,
         "faults": [f.model_dump(exclude_none=True) for f in topology.faults] if topology else [],
     }
+
+
+def _proof_source(engine: str) -> str | None:
+    """Where verify reads that the KV was transferred: the engine's accounting, or (None)
+    the KV digests pdctl's own servers answer with."""
+    proof = get_engine(engine).proof
+    return None if proof is None else proof.source
 
 
 def _open_target(
@@ -207,8 +218,11 @@ def _open_target(
         target = LaunchedTarget(plan)
         report.target = target.describe()
         progress(f"starting {plan.topology.name} ({len(plan.processes)} processes)")
-        try:
-            target.start(options.startup_timeout)
+        reference = (
+            options.reference if options.reference is not None else plan.topology.verify.reference
+        )
+        try:  # a reference asked for starts with the run: its start overlaps the launch
+            target.start(options.startup_timeout, reference=reference and options.serial_compare)
         except BaseException:
             target.close()
             raise
@@ -228,6 +242,9 @@ def _run(
     progress: Callable[[str], None],
 ) -> None:
     """The workload sized to what the servers serve, the passes, the verdict."""
+    if topology is None and target.plan is not None:  # a run of `pdctl up`: its topology
+        topology = target.plan.topology
+        report.topology = topology.model_dump(mode="json")
     with httpx.Client() as client:
         served = served_model(client, target.workers or [target.router_url])
     settings, count, seed = settings_of(options, topology, served)

@@ -49,8 +49,19 @@ class Target:
         self._reference_start: Future[str] | None = None  # started early, in the background
 
     @property
+    def plan(self) -> LaunchPlan | None:
+        """The topology's plan, where the target has one (a bare URL with no file has not)."""
+        return self._plan
+
+    @property
     def workers(self) -> list[str]:
         return self.prefill_urls + self.decode_urls
+
+    def role_urls(self) -> dict[str, list[str]]:
+        """The servers of each role this target knows (none of a bare router's other
+        than pdctl's builtin one, which lists them)."""
+        known = self.prefill_urls != [self.router_url]
+        return {"prefill": self.prefill_urls if known else [], "decode": self.decode_urls}
 
     def check_alive(self) -> None:
         """Raise LaunchError naming a role that is not running any more."""
@@ -122,8 +133,13 @@ class LaunchedTarget(Target):
         super().__init__("", [], [], plan)
         self.run = make_run(plan)
 
-    def start(self, timeout: float | None) -> None:
+    def start(self, timeout: float | None, *, reference: bool = False) -> None:
+        """Start the run and wait until it serves; with `reference`, the reference server
+        is spawned right after the run's processes, its start overlapping theirs (it is
+        waited for when the reference pass needs it, not here)."""
         self.run.start()
+        if reference:
+            self.start_reference_early()
         self.run.wait_ready(timeout)
         self.router_url = self.run.router_url
         for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):

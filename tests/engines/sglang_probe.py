@@ -24,7 +24,7 @@ FIELDS = (
     "disaggregation_bootstrap_port", "disaggregation_ib_device", "tp_size", "base_gpu_id",
     "device", "nccl_port", "dist_init_addr", "page_size", "max_running_requests",
     "chunked_prefill_size", "max_total_tokens", "disable_overlap_schedule",
-    "enable_deterministic_inference", "dtype", "random_seed",
+    "enable_deterministic_inference", "dtype", "random_seed", "enable_metrics", "context_length",
 )  # fmt: skip
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pdctl.engines.base import render_command, shell_line
+from pdctl.engines.base import engine_python, render_command, shell_line
 from pdctl.launch.plan import LaunchPlan, ProcessPlan, load_checked, make_plan
 from tests.conftest import REMOVE, REPO
 
@@ -25,29 +25,33 @@ def process(plan: LaunchPlan, name: str) -> ProcessPlan:
 
 
 def line(plan: LaunchPlan, name: str) -> str:
-    return shell_line(process(plan, name).command, plan.fixed_ports).replace(PY, "python")
+    """The command, with pdctl's interpreter as `python` and the engine's (python3 on
+    PATH, or engine_python) as `python3`."""
+    text = shell_line(process(plan, name).command, plan.fixed_ports)
+    return text.replace(engine_python(plan.topology), "python3").replace(PY, "python")
 
 
 def test_sglang_staging_prefill_command() -> None:
     plan = plan_of("xpu-nightly-4-gpu-staging")
     assert line(plan, "prefill-0") == (
-        "python -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct "
+        "python3 -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct "
         "--host 127.0.0.1 --port '<prefill-0.http>' --disaggregation-mode prefill "
         "--disaggregation-transfer-backend mooncake "
         "--disaggregation-bootstrap-port '<prefill-0.bootstrap>' --tp-size 1 --base-gpu-id 0 "
         "--device xpu --nccl-port '<prefill-0.nccl>' --page-size 16 --max-running-requests 32 "
-        "--chunked-prefill-size 512 --random-seed 0"
+        "--chunked-prefill-size 512 --random-seed 0 --enable-metrics"
     )
 
 
 def test_sglang_staging_decode_command_and_env() -> None:
     plan = plan_of("xpu-nightly-4-gpu-staging")
     assert line(plan, "decode-0") == (
-        "python -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct "
+        "python3 -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct "
         "--host 127.0.0.1 --port '<decode-0.http>' --disaggregation-mode decode "
         "--disaggregation-transfer-backend mooncake --tp-size 2 --base-gpu-id 0 --device xpu "
         "--nccl-port '<decode-0.nccl>' --dist-init-addr '127.0.0.1:<decode-0.dist>' "
-        "--page-size 16 --max-running-requests 32 --chunked-prefill-size 512 --random-seed 0"
+        "--page-size 16 --max-running-requests 32 --chunked-prefill-size 512 --random-seed 0 "
+        "--enable-metrics"
     )
     env = process(plan, "decode-0").env_values()
     assert env["ZE_AFFINITY_MASK"] == "1,2"
@@ -108,8 +112,66 @@ def test_embedded_mooncake_and_builtin_router() -> None:
         "python -m pdctl.serve --role router --topology-name cpu-p1d2-mooncake "
         "--prefill 'http://127.0.0.1:<prefill-0.http>' '<prefill-0.bootstrap>' "
         "--decode 'http://127.0.0.1:<decode-0.http>' --host 127.0.0.1 --port '<router.http>' "
-        "--request-timeout 120"
+        "--request-timeout 120 --pd-flow bootstrap"
     )
+
+
+@pytest.fixture
+def four_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine's cores as pdctl sees them, fixed: plans place servers on them."""
+    monkeypatch.setattr("pdctl.engines.vllm.available_cores", lambda: (0, 1, 2, 3))
+
+
+def test_vllm_commands_env_and_builtin_router(four_cores: None) -> None:
+    plan = plan_of("cpu-vllm-p1d1-nixl")
+    folder = REPO / "runs" / "models" / "tiny-seed0-float32"
+    kv = '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu",'
+    kv += '"kv_load_failure_policy":"fail"}'
+    assert line(plan, "prefill-0") == (
+        f"python3 -m vllm.entrypoints.openai.api_server --model {folder} "
+        "--served-model-name tiny --host 127.0.0.1 --port '<prefill-0.http>' "
+        "--tensor-parallel-size 1 --dtype float32 --seed 0 --block-size 32 --max-num-seqs 32 "
+        "--max-num-batched-tokens 512 --enable-prefix-caching --enable-prompt-tokens-details "
+        f"--max-model-len 2048 --kv-transfer-config '{kv}' --enforce-eager"
+    )
+    assert plan.engine_python.endswith(".venv-vllm/bin/python")
+    env = {p.name: p.env_values() for p in plan.processes}
+    assert env["prefill-0"]["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"  # two cores a rank
+    assert env["decode-0"]["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"
+    assert env["decode-0"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "<decode-0.side>"
+    assert env["decode-0"]["TMPDIR"] == "<workdir>/tmp" and env["decode-0"]["HF_HUB_OFFLINE"] == "1"
+    assert [p.cores for p in plan.processes] == [(0, 1), (2, 3), ()]
+    assert plan.requirements.cpu_cores == 2
+    assert plan.requirements.engine_modules == ("vllm", "nixl")
+    assert [step.argv[1:3] for step in plan.preparations] == [("-m", "pdctl.serve.model.export")]
+    assert line(plan, "router").endswith(
+        "--decode 'http://127.0.0.1:<decode-0.http>' --host 127.0.0.1 --port '<router.http>' "
+        "--request-timeout 120 --pd-flow vllm"
+    )
+    assert "--prefill 'http://127.0.0.1:<prefill-0.http>' --decode" in line(plan, "router")
+
+
+def test_vllm_router_from_the_engines_environment(four_cores: None) -> None:
+    plan = plan_of("cpu-vllm-p1d1-nixl-vllm-router")
+    assert line(plan, "router") == (
+        "python3 -m vllm_router.launch_router --vllm-pd-disaggregation --kv-connector nixl "
+        "--prefill 'http://127.0.0.1:<prefill-0.http>' --decode 'http://127.0.0.1:<decode-0.http>' "
+        "--host 127.0.0.1 --port '<router.http>' --request-timeout-secs 120 "
+        "--prometheus-host 127.0.0.1 --prometheus-port '<router.metrics>'"
+    )
+    assert plan.requirements.engine_modules == ("vllm", "nixl", "vllm_router")
+
+
+def test_vllm_reference_has_no_connector_and_the_first_servers_cores(four_cores: None) -> None:
+    from pdctl.engines import get_engine
+
+    plan = plan_of("cpu-vllm-p1d1-nixl")
+    spec = get_engine("vllm").reference(plan.topology, tp=1)
+    argv = render_command(spec.command, {"reference.http": 1})
+    assert "--kv-transfer-config" not in argv and "--enforce-eager" in argv
+    env = {entry.name: entry.value for entry in spec.env}
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1" and spec.cores == (0, 1)
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in env
 
 
 def test_ports_render_when_allocated() -> None:

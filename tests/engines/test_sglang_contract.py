@@ -20,6 +20,7 @@ import ast
 import importlib.util
 import itertools
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -47,6 +48,7 @@ GRID = list(
         ["cuda", "xpu"],
         [1, 2],  # decode replicas
         [True, False],  # deterministic
+        [None, 2048],  # serving.max_model_len
     )
 )
 
@@ -113,6 +115,8 @@ def expected(plan: LaunchPlan, process: ProcessPlan, ports: dict[str, Any]) -> d
         "page_size": topology.serving.page_size,
         "chunked_prefill_size": topology.serving.chunked_prefill_tokens,
         "enable_deterministic_inference": topology.serving.deterministic,
+        "enable_metrics": True,  # verify proves the transfer from SGLang's own counters
+        "context_length": topology.serving.max_model_len,
     }
     if process.role == "prefill":
         fields["disaggregation_bootstrap_port"] = ports[f"{process.name}.bootstrap"]
@@ -151,7 +155,15 @@ def test_catalog_commands_parse_with_sglangs_parser(sglang: SGLangProbe) -> None
 
 
 def grid_topology(make_topology: Any, case: tuple[Any, ...]) -> Path:
-    (prefill_tp, decode_tp), (backend, protocol), staging, device, replicas, deterministic = case
+    (
+        (prefill_tp, decode_tp),
+        (backend, protocol),
+        staging,
+        device,
+        replicas,
+        deterministic,
+        longest,
+    ) = case
     transfer: dict[str, Any] = {"backend": backend, "staging": {"enabled": staging}}
     if protocol is not None:
         transfer["protocol"] = protocol
@@ -163,7 +175,7 @@ def grid_topology(make_topology: Any, case: tuple[Any, ...]) -> Path:
         model={"path": "Qwen/Qwen2.5-1.5B-Instruct", "preset": REMOVE},
         roles={"prefill": {"tp": prefill_tp}, "decode": {"tp": decode_tp, "replicas": replicas}},
         transfer=transfer,
-        serving={"deterministic": deterministic},
+        serving={"deterministic": deterministic, "max_model_len": longest},
     )
 
 
@@ -229,7 +241,7 @@ def test_every_endpoint_pdctl_calls_is_one_sglang_serves(make_topology: Any) -> 
     http = decorated_routes(SOURCE / "entrypoints" / "http_server.py")
     bootstrap = aiohttp_routes(SOURCE / "disaggregation" / "common" / "conn.py")
     assert bootstrap["/route"] == {"*"} and "GET" in bootstrap["/health"]  # the table was read
-    case = ((1, 2), ("mooncake", "tcp"), True, "cuda", 1, True)
+    case = ((1, 2), ("mooncake", "tcp"), True, "cuda", 1, True, None)
     plan = make_plan(load_checked(grid_topology(make_topology, case)))
     for process in (p for p in plan.processes if p.role != "router"):
         for probe in process.probes:
@@ -242,3 +254,25 @@ def test_every_endpoint_pdctl_calls_is_one_sglang_serves(make_topology: Any) -> 
     for path, method in (("/generate", "POST"), ("/flush_cache", "POST"),
                          ("/get_model_info", "GET"), ("/get_server_info", "GET")):  # fmt: skip
         assert method in http.get(path, set()), f"SGLang {SUPPORTED} serves no {method} {path}"
+
+
+def test_the_transfer_proof_reads_counters_sglang_has() -> None:
+    """`engines.proof.SGLangProof` reads prefill's kv_transfer_total_mb histogram (one
+    observation per transfer sent) and both sides' num_transfer_failed_reqs_total: the
+    metric names are SGLang's, and SGLang updates them where the proof says it does."""
+    from pdctl.engines.proof import SGLangProof
+
+    collector = (SOURCE / "observability" / "metrics_collector.py").read_text(encoding="utf-8")
+    declared = set(re.findall(r'name="(sglang:[a-z_]+)"', collector))
+    assert len(declared) > 50  # the table was read
+    for counter in SGLangProof().counters:
+        base = counter.metric.removesuffix("_count")  # a histogram's count of observations
+        assert base in declared, f"SGLang {SUPPORTED} has no metric {base}"
+    histogram = collector[collector.index('name="sglang:kv_transfer_total_mb"') - 200 :]
+    assert "Histogram(" in histogram.split("name=")[0]
+    prefill = (SOURCE / "disaggregation" / "prefill.py").read_text(encoding="utf-8")
+    decode = (SOURCE / "disaggregation" / "decode.py").read_text(encoding="utf-8")
+    assert "compute_and_observe_kv_transfer_metrics" in prefill  # prefill observes each send
+    assert (
+        "increment_transfer_failed_reqs" in prefill and "increment_transfer_failed_reqs" in decode
+    )

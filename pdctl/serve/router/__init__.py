@@ -33,6 +33,7 @@ def run(args: ServerArgs) -> None:
         decode=[Worker("decode", url.rstrip("/")) for url in args.decode],
         timeout=args.request_timeout,
         encoder=[Worker("encoder", url.rstrip("/")) for url in args.encoder],
+        flow=args.pd_flow,
     )
     log.info(
         "routing %d prefill and %d decode workers (%s)",

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import httpx
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 
 from pdctl.serve.api.errors import error_body
 from pdctl.serve.api.guards import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
 from pdctl.serve.faults import faults
+from pdctl.serve.router import vllm_flow
 from pdctl.serve.router.forward import (
     SideFailed,
     forward_get,
@@ -35,6 +37,8 @@ from pdctl.serve.router.workers import RouterState, check_health
 CLIENT_KEEP_ALIVE_S = 10  # under the servers' 30 s (serve/http.py KEEP_ALIVE_S)
 
 FORWARDED = ("/generate", "/v1/completions", "/v1/chat/completions")
+VLLM_FORWARDED = ("/v1/completions", "/v1/chat/completions")  # vLLM has no /generate
+EVENTS = "text/event-stream"
 
 
 def error(message: str, status: int) -> JSONResponse:
@@ -64,15 +68,25 @@ def batch_key(path: str, body: dict[str, Any]) -> str | None:
 
 
 async def forward(
-    state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any]
+    state: RouterState,
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    headers: Headers,
 ) -> Response:
     key = batch_key(path, body)
     parts = split_batch(body, key) if key else None
+
+    def one(part: dict[str, Any]) -> Awaitable[Any]:
+        if state.flow == "vllm":
+            return vllm_flow.route_one(state, client, path, part, headers)
+        return route_one(state, client, path, part)
+
     try:
         if parts is None:
-            result = await asyncio.wait_for(route_one(state, client, path, body), state.timeout)
+            result = await asyncio.wait_for(one(body), state.timeout)
         else:
-            routed = (route_one(state, client, path, part) for part in parts)
+            routed = (one(part) for part in parts)
             result = await asyncio.wait_for(asyncio.gather(*routed), state.timeout)
             if path == "/v1/completions":
                 result = merge_completions(result)
@@ -85,6 +99,28 @@ async def forward(
     return JSONResponse(result)
 
 
+async def stream(
+    state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: Headers
+) -> Response:
+    """A streamed answer: decode's events. In vLLM's flow prefill runs first, so its
+    failure is still an HTTP error naming it, before any event."""
+    if state.flow != "vllm":
+        return StreamingResponse(route_stream(state, client, path, body), media_type=EVENTS)
+    rid = vllm_flow.request_id(headers)
+    try:
+        decode, routed = await asyncio.wait_for(
+            vllm_flow.prefilled(state, client, path, body, rid), state.timeout
+        )
+    except SideFailed as exc:
+        state.counters["failed"] += 1
+        return error(str(exc), exc.status)
+    except TimeoutError:
+        state.counters["failed"] += 1
+        return error(f"prefill gave no answer within {state.timeout:g} s", 504)
+    events = vllm_flow.stream_from_decode(client, decode, path, routed, rid)
+    return StreamingResponse(events, media_type=EVENTS)
+
+
 def add_forwarded(app: FastAPI, state: RouterState, client: httpx.AsyncClient) -> None:
     async def handle(request: HttpRequest) -> Response:
         path = request.url.path
@@ -93,12 +129,13 @@ def add_forwarded(app: FastAPI, state: RouterState, client: httpx.AsyncClient) -
             return body
         if not state.ready:
             return error(state.not_ready_reason(), 503)
+        if state.flow == "vllm" and path not in VLLM_FORWARDED:
+            return error(f"vLLM's servers take {' and '.join(VLLM_FORWARDED)}, not {path}", 404)
         faults().request_arrived()  # fault injection (kill-role); off unless asked for
         state.counters["requests"] += 1
         if body.get("stream"):
-            events = route_stream(state, client, path, body)
-            return StreamingResponse(events, media_type="text/event-stream")
-        return await forward(state, client, path, body)
+            return await stream(state, client, path, body, request.headers)
+        return await forward(state, client, path, body, request.headers)
 
     for path in FORWARDED:
         app.add_api_route(path, handle, methods=["POST"])

@@ -40,11 +40,16 @@ class SideFailed(Exception):
         )
 
 
-async def _post(
-    client: httpx.AsyncClient, worker: Worker, path: str, body: dict[str, Any]
+async def post(
+    client: httpx.AsyncClient,
+    worker: Worker,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
 ) -> httpx.Response:
+    """POST to a worker; SideFailed naming it when it cannot be reached or refuses."""
     try:
-        response = await client.post(f"{worker.url}{path}", json=body)
+        response = await client.post(f"{worker.url}{path}", json=body, headers=headers)
     except httpx.HTTPError as exc:
         raise SideFailed(worker, f"{type(exc).__name__}: {exc}") from None
     if response.status_code >= 400:
@@ -103,7 +108,7 @@ async def _encode(
         "bootstrap_port": prefill.bootstrap_port,
         "embedding_room": room,
     }
-    encoded = (await _post(client, encoder, "/encode", request)).json()
+    encoded = (await post(client, encoder, "/encode", request)).json()
     rest = {k: v for k, v in body.items() if k not in ("image", "images", "text", "input_ids")}
     routed = {
         **rest,
@@ -141,8 +146,8 @@ async def route_one(
     async with prefill.slot(), decode.slot():  # prefill's first, always (workers.py)
         body, embedding = await _encode(state, client, path, body, prefill)
         routed = _with_bootstrap({**body, "stream": False}, prefill)
-        prefill_task = asyncio.create_task(_post(client, prefill, path, routed))
-        decode_task = asyncio.create_task(_post(client, decode, path, routed))
+        prefill_task = asyncio.create_task(post(client, prefill, path, routed))
+        decode_task = asyncio.create_task(post(client, decode, path, routed))
         try:
             done, _ = await asyncio.wait(
                 {prefill_task, decode_task}, return_when=asyncio.FIRST_EXCEPTION
@@ -179,9 +184,7 @@ async def route_stream(
             yield b"data: [DONE]\n\n"
             return
         routed = _with_bootstrap(body, prefill)
-        prefill_task = asyncio.create_task(
-            _post(client, prefill, path, {**routed, "stream": False})
-        )
+        prefill_task = asyncio.create_task(post(client, prefill, path, {**routed, "stream": False}))
         try:
             async with client.stream("POST", f"{decode.url}{path}", json=routed) as response:
                 if response.status_code >= 400:

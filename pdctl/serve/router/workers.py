@@ -68,6 +68,7 @@ class RouterState:
     decode: list[Worker]
     timeout: float
     encoder: list[Worker] = field(default_factory=list)  # EPD topologies
+    flow: str = "bootstrap"  # how a request is split: SGLang's bootstrap fields, or vllm's
     counters: dict[str, int] = field(default_factory=lambda: {"requests": 0, "failed": 0})
     _prefill_turn: itertools.count[int] = field(default_factory=itertools.count)
     _decode_turn: itertools.count[int] = field(default_factory=itertools.count)

@@ -1,0 +1,331 @@
+"""The vllm engine: real vLLM servers (`python -m vllm.entrypoints.openai.api_server`).
+
+Each prefill and decode server is a vLLM OpenAI server in the engine's own
+environment (`engine_python`) with a KV connector: `transfer.backend: nixl` is
+NixlConnector (host buffers on cpu, device buffers on cuda and xpu), `mooncake` is
+MooncakeConnector where vLLM runs it (not on cpu); prefill is `kv_producer`, decode
+`kv_consumer`. A request goes to prefill with `max_tokens: 1` and
+`kv_transfer_params: {do_remote_decode: true}`, then to decode with the parameters
+prefill answered (vLLM's own PD flow; both routers speak it). The connector's side
+channel is a port allocated per run like every listener; vLLM's caches, sockets and
+temporary files go in the server's folder of the run (`<workdir>`), and a local model
+is served offline. On cpu every server rank gets cores of its own
+(`VLLM_CPU_OMP_THREADS_BIND`): NIXL's UCX progress thread busy-polls a core.
+
+This module renders; it starts nothing and imports no vLLM. What it renders is
+checked against vLLM's own parser and environment table in CI
+(tests/engines/test_vllm_contract.py); docs/vllm.md has the mapping.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pdctl.engines.base import (
+    REFERENCE,
+    WORKDIR,
+    Arg,
+    Command,
+    Engine,
+    PortRef,
+    PortSlot,
+    Preparation,
+    ReferenceSpec,
+    command,
+    engine_python,
+    host_ref,
+    python,
+)
+from pdctl.engines.dialect import CompletionsDialect
+from pdctl.engines.probes import Probe, health, on_http
+from pdctl.engines.proof import VLLMProof
+from pdctl.engines.vllm_rules import vllm_issues
+from pdctl.topology.issues import Issue
+from pdctl.topology.model import Topology
+from pdctl.topology.resolve import (
+    EnvEntry,
+    Requirements,
+    ServerLayout,
+    available_cores,
+    cpu_placement,
+    merged_user_env,
+    role_spec,
+    servers,
+)
+
+SUPPORTED = "0.32.0"  # the release the contract tests check against (scripts/setup_vllm.sh)
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+CONNECTORS = {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}
+SIDE_CHANNEL_PORT = {
+    "nixl": "VLLM_NIXL_SIDE_CHANNEL_PORT",
+    "mooncake": "VLLM_MOONCAKE_BOOTSTRAP_PORT",
+}
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+CPU_KV_CACHE_GIB = "1"  # vLLM's CPU KV cache, in GiB: 3.3 GB a server with it on 2-core CI
+
+
+def runs_folder(topology: Topology) -> Path:
+    """launcher.run_dir, relative to the working directory as the runs are."""
+    base = Path(topology.launcher.run_dir)
+    return base if base.is_absolute() else Path.cwd() / base
+
+
+def preset_folder(topology: Topology) -> Path:
+    """Where a preset is written as a checkpoint: launcher.run_dir/models, one per
+    preset, seed and dtype."""
+    model = topology.model
+    name = f"{model.preset}-seed{model.seed}-{topology.effective_dtype}"
+    return runs_folder(topology) / "models" / name
+
+
+def model_location(topology: Topology) -> str:
+    return str(preset_folder(topology)) if topology.model.uses_preset else str(topology.model.path)
+
+
+def served_name(topology: Topology) -> str:
+    """The model's name in the OpenAI API: the preset's, or the checkpoint folder's."""
+    model = topology.model
+    return model.preset if model.uses_preset else Path(str(model.path)).name or "model"
+
+
+def omp_bind(ranks: tuple[tuple[int, ...], ...]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND: each rank's cores, ranks separated by '|'."""
+    return "|".join(",".join(str(core) for core in cores) for cores in ranks)
+
+
+def kv_transfer_config(topology: Topology, role: str) -> str:
+    transfer = topology.transfer
+    config: dict[str, Any] = {
+        "kv_connector": CONNECTORS.get(transfer.backend, transfer.backend),
+        "kv_role": KV_ROLES[role],
+        "kv_buffer_device": "cpu" if topology.device == "cpu" else topology.device,
+        "kv_load_failure_policy": "fail",  # never recompute in silence (verify proves it)
+    }
+    if transfer.backend == "nixl" and transfer.nixl_backend is not None:
+        config["kv_connector_extra_config"] = {"backends": [transfer.nixl_backend]}
+    return json.dumps(config, separators=(",", ":"))
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+    dialect = CompletionsDialect()
+    proof = VLLMProof()
+    workdir = True
+    pd_flow = "vllm"
+    managed_flags: ClassVar[Mapping[str, str]] = {
+        "--model": "model.path / model.preset",
+        "--served-model-name": "model",
+        "--host": "host",
+        "--port": "roles.<role>.port",
+        "--tensor-parallel-size": "roles.<role>.tp",
+        "-tp": "roles.<role>.tp",
+        "--dtype": "model.dtype",
+        "--seed": "model.seed",
+        "--block-size": "serving.page_size",
+        "--max-num-seqs": "serving.max_running_requests",
+        "--max-num-batched-tokens": "serving.chunked_prefill_tokens",
+        "--num-gpu-blocks-override": "serving.kv_pool_tokens",
+        "--max-model-len": "serving.max_model_len",
+        "--no-async-scheduling": "serving.overlap",
+        "--async-scheduling": "serving.overlap",
+        "--enable-prefix-caching": "(verify's prefix-hit pass needs it)",
+        "--no-enable-prefix-caching": "(verify's prefix-hit pass needs it)",
+        "--enable-prompt-tokens-details": "(verify reads cached tokens)",
+        "--kv-transfer-config": "transfer.backend",
+    }
+
+    def port_slots(self, topology: Topology, server: ServerLayout) -> list[PortSlot]:
+        spec = role_spec(topology, server.role)
+        slots = [PortSlot(server.name, "http", "HTTP API (OpenAI)", spec.port)]
+        backend = topology.transfer.backend
+        if backend in SIDE_CHANNEL_PORT:
+            slots.append(PortSlot(server.name, "side", f"{CONNECTORS[backend]} side channel"))
+        return slots
+
+    def probes(
+        self, topology: Topology, server: ServerLayout, slots: Mapping[str, PortSlot]
+    ) -> list[Probe]:
+        """/health once the engine core is up; /v1/models once the API serves the model.
+        The connector's side channel speaks ZMQ, not HTTP: the canary through the router
+        is what proves PD."""
+        host = host_ref(topology, server.name)
+        return [health(host, slots), on_http(host, slots, "model served", "/v1/models")]
+
+    def command(
+        self, topology: Topology, server: ServerLayout, slots: Mapping[str, PortSlot]
+    ) -> Command:
+        host = host_ref(topology, server.name)
+        pd: list[str | Arg] = ["--kv-transfer-config", kv_transfer_config(topology, server.role)]
+        args = _server_args(topology, host, slots["http"].ref, server.tp, pd)
+        return command(*args, *role_spec(topology, server.role).args)
+
+    def env(self, topology: Topology, server: ServerLayout) -> list[EnvEntry]:
+        entries = _common_env(topology, _cores_of(topology, server.name))
+        backend = topology.transfer.backend
+        if backend in SIDE_CHANNEL_PORT:
+            side = f"<{server.name}.side>"
+            entries.append(EnvEntry(SIDE_CHANNEL_PORT[backend], side, "(allocated at launch)"))
+        if backend == "nixl":
+            entries.append(EnvEntry("VLLM_NIXL_SIDE_CHANNEL_HOST", topology.host, "host"))
+        if backend == "mooncake":
+            timeout = f"{topology.transfer.timeouts.transfer_s:g}"
+            entries.append(
+                EnvEntry("VLLM_MOONCAKE_CONNECTOR_TIMEOUT", timeout, "transfer.timeouts.transfer_s")
+            )
+        return _unless_user_set(topology, server.role, entries)
+
+    def cores(self, topology: Topology, server: ServerLayout) -> tuple[int, ...]:
+        """On cpu, the server's cores, for the whole process: UCX's progress thread then
+        spins on them, not on another server's (or on pdctl's)."""
+        ranks = _cores_of(topology, server.name) or ()
+        return tuple(core for cores in ranks for core in cores)
+
+    def reference(self, topology: Topology, tp: int) -> ReferenceSpec:
+        """A colocated vLLM server: the same model, serving flags and serving.args, no KV
+        connector, on the first prefill server's cores (it runs beside the PD passes
+        after the first, when a serial PD request leaves one role idle)."""
+        slot = PortSlot(REFERENCE, "http", "colocated reference server")
+        host = PortRef(f"{REFERENCE}.host", topology.host)
+        args = _server_args(topology, host, slot.ref, tp, [])
+        by_name = {"http": slot}
+        probes = (health(host, by_name), on_http(host, by_name, "model served", "/v1/models"))
+        cores = self.cores(topology, servers(topology)[0])
+        ranks = tuple(cores[rank::tp] for rank in range(tp)) if len(cores) >= tp else None
+        env = _unless_user_set(topology, "prefill", _common_env(topology, ranks))
+        return ReferenceSpec((slot,), command(*args), probes, tuple(env), cores)
+
+    def interpreter(self, topology: Topology) -> str:
+        return engine_python(topology)
+
+    def requirements(self, topology: Topology, base: Requirements) -> Requirements:
+        modules = ["vllm"]
+        reasons = dict(base.reasons)
+        reasons["vllm"] = "engine: vllm"
+        if topology.transfer.backend == "nixl":
+            modules.append("nixl")
+            reasons["nixl"] = "transfer.backend: nixl (vLLM's NixlConnector)"
+        elif topology.transfer.backend == "mooncake":
+            modules.append("mooncake.engine")
+            reasons["mooncake.engine"] = "transfer.backend: mooncake (vLLM's MooncakeConnector)"
+        if topology.router.kind == "vllm-router":
+            modules.append("vllm_router")
+            reasons["vllm_router"] = "router: vllm-router"
+        cores = 0
+        if topology.device == "cpu":
+            cores = sum(server.tp for server in servers(topology))
+            reasons[f"cpu_cores={cores}"] = "a core of its own for every server rank"
+        return Requirements(
+            base.device_type, base.device_count, base.min_free_memory_gb, base.modules,
+            base.capabilities, reasons, engine_python(topology), tuple(modules), cores,
+        )  # fmt: skip
+
+    def preparations(self, topology: Topology) -> list[Preparation]:
+        if not topology.model.uses_preset:
+            return []
+        model, folder = topology.model, preset_folder(topology)
+        stamp = {"preset": model.preset, "seed": model.seed, "dtype": topology.effective_dtype}
+        argv = (
+            python(), "-m", "pdctl.serve.model.export", "--preset", model.preset,
+            "--seed", str(model.seed), "--dtype", topology.effective_dtype, str(folder),
+        )  # fmt: skip
+        return [
+            Preparation(
+                f"the {model.preset} preset (seed {model.seed}) as a checkpoint in {folder}",
+                argv,
+                str(folder / "pdctl-export.json"),
+                json.dumps({**stamp, "format": 1}, indent=1),
+            )
+        ]
+
+    def check(self, topology: Topology) -> Iterator[Issue]:
+        yield from super().check(topology)
+        yield from vllm_issues(topology)
+
+
+def _cores_of(topology: Topology, name: str) -> tuple[tuple[int, ...], ...] | None:
+    if topology.device != "cpu":
+        return None
+    placement = cpu_placement(topology, available_cores())
+    return None if placement is None else placement[name]
+
+
+def _common_env(topology: Topology, cores: tuple[tuple[int, ...], ...] | None) -> list[EnvEntry]:
+    """What every vLLM server of the topology (the reference too) runs with: its
+    temporary files, sockets and configuration in its own folder of the run; compiled
+    kernels in a cache the runs share (launcher.run_dir/cache/vllm), since vLLM compiles
+    its logprobs kernel at the first request that asks for logprobs (35 s on 2 cores)."""
+    here = "(the server's folder in the run)"
+    shared = str(runs_folder(topology) / "cache" / "vllm")
+    cached = "(compiled kernels, shared by the runs in launcher.run_dir)"
+    entries = [
+        EnvEntry("TMPDIR", f"{WORKDIR}/tmp", here),
+        # relative to the server's folder, where it starts: a socket path must stay under
+        # 108 bytes, which a run directory's absolute path need not
+        EnvEntry("VLLM_RPC_BASE_PATH", "tmp", here),
+        EnvEntry("VLLM_CONFIG_ROOT", f"{WORKDIR}/config", here),
+        EnvEntry("XDG_CACHE_HOME", f"{WORKDIR}/cache", here),
+        EnvEntry("VLLM_CACHE_ROOT", shared, cached),
+        EnvEntry("TORCHINDUCTOR_CACHE_DIR", f"{shared}/torchinductor", cached),
+        EnvEntry("TRITON_CACHE_DIR", f"{shared}/triton", cached),
+        EnvEntry("VLLM_NO_USAGE_STATS", "1", "(nothing leaves the machine)"),
+        EnvEntry("DO_NOT_TRACK", "1", "(nothing leaves the machine)"),
+        EnvEntry("VLLM_SERVER_DEV_MODE", "1", "(verify empties caches: /reset_prefix_cache)"),
+    ]
+    if topology.model.uses_preset or Path(str(topology.model.path)).is_dir():
+        offline = "model.path (a local checkpoint: served offline)"
+        entries += [
+            EnvEntry("HF_HUB_OFFLINE", "1", offline),
+            EnvEntry("TRANSFORMERS_OFFLINE", "1", offline),
+            EnvEntry("HF_HOME", f"{WORKDIR}/cache/huggingface", here),
+        ]
+    if topology.device == "cpu":
+        entries.append(
+            EnvEntry("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB, "(pdctl's bound on cpu)")
+        )
+        if cores is not None:
+            entries.append(
+                EnvEntry("VLLM_CPU_OMP_THREADS_BIND", omp_bind(cores), "(cores of this machine)")
+            )
+    elif topology.serving.deterministic:
+        entries.append(EnvEntry("VLLM_BATCH_INVARIANT", "1", "serving.deterministic"))
+    return entries
+
+
+def _unless_user_set(topology: Topology, role: str, entries: list[EnvEntry]) -> list[EnvEntry]:
+    """pdctl's defaults, except where the topology's env (or the role's) sets the
+    variable: that value is the user's (the env layers show it)."""
+    user = merged_user_env(topology, role)
+    return [entry for entry in entries if entry.name not in user]
+
+
+def _server_args(
+    topology: Topology, host: PortRef, port: PortRef, tp: int, pd: list[str | Arg]
+) -> list[str | Arg]:
+    serving = topology.serving
+    args: list[str | Arg] = [
+        engine_python(topology), "-m", SERVER_MODULE,
+        "--model", model_location(topology),
+        "--served-model-name", served_name(topology),
+        "--host", Arg((host,)),
+        "--port", Arg((port,)),
+        "--tensor-parallel-size", str(tp),
+        "--dtype", topology.effective_dtype,
+        "--seed", str(topology.model.seed),
+        "--block-size", str(serving.page_size),
+        "--max-num-seqs", str(serving.max_running_requests),
+        "--max-num-batched-tokens", str(serving.chunked_prefill_tokens),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+    ]  # fmt: skip
+    if serving.max_model_len is not None:
+        args += ["--max-model-len", str(serving.max_model_len)]
+    if serving.kv_pool_tokens is not None:
+        blocks = math.ceil(serving.kv_pool_tokens / serving.page_size)
+        args += ["--num-gpu-blocks-override", str(blocks)]
+    if not serving.overlap:
+        args.append("--no-async-scheduling")
+    return [*args, *pd, *serving.args]
