@@ -1,14 +1,24 @@
-"""`pdctl doctor`: what this machine can run (a report; always exits 0)."""
+"""`pdctl doctor [FILE...]`: what this machine can run (a report; always exits 0).
+
+Without files: torch, Triton, devices and each transport as pdctl's interpreter finds
+them. With topology files: also each one's engine environment, asked of the engine's
+own interpreter (`engine_python`): its Python, the versions installed, and whether the
+KV connector imports there.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
 
 from pdctl import console
 from pdctl.cli.common import JsonOption, QuietOption, VerboseOption, options
+from pdctl.engines import get_engine
+from pdctl.launch.engine_env import EngineEnv, probe
+from pdctl.launch.plan import load_checked, make_plan
 
 
 def tent_line(info: dict[str, Any]) -> str:
@@ -25,16 +35,25 @@ def tent_line(info: dict[str, Any]) -> str:
 
 def doctor(
     ctx: typer.Context,
+    files: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            help="Topology files whose engine environment to check.", show_default=False
+        ),
+    ] = None,
     json: JsonOption = False,
     verbose: VerboseOption = 0,
     quiet: QuietOption = False,
 ) -> None:
-    """Report torch, Triton, devices and each transport as probed on this machine."""
+    """Report torch, Triton, devices and each transport as probed on this machine, and the
+    engine environment of each topology given."""
     opts = options(ctx, json, verbose, quiet)
+    engines = [engine_report(file) for file in files or []]
     from pdctl.staging.capabilities import capabilities, report  # imports torch
 
     data = report()
     data["capabilities"] = sorted(capabilities(data))
+    data["engines"] = engines
     if opts.json:
         console.emit_json(data)
         return
@@ -56,6 +75,40 @@ def doctor(
     modules = ", ".join(f"{m} {'yes' if ok else 'no'}" for m, ok in data["modules"].items())
     out.print(f"modules: {modules}", markup=False)
     out.print("capabilities: " + (", ".join(data["capabilities"]) or "none"), markup=False)
+    for engine in engines:
+        _engine(engine)
+
+
+def engine_report(file: Path) -> dict[str, Any]:
+    """One topology's engine environment, as its own interpreter reports it."""
+    plan = make_plan(load_checked(file))
+    topology = plan.topology
+    engine = get_engine(topology.engine)
+    distributions, imports = engine.environment_checks(topology)
+    needs = plan.requirements.engine_modules
+    found = (
+        probe(plan.engine_python, needs, distributions, imports)
+        if distributions or imports or needs
+        else EngineEnv(plan.engine_python, modules={})
+    )
+    return {"topology": topology.name, "engine": topology.engine, **found.to_json()}
+
+
+def _engine(report: dict[str, Any]) -> None:
+    out = console.out
+    head = f"engine {report['engine']} ({report['topology']}): {report['python']}"
+    if report["error"]:
+        out.print(f"[red]{escape(head)}: {escape(report['error'])}[/red]")
+        return
+    versions = ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v) or "-"
+    out.print(f"[green]{escape(head)}[/green] (python {report['python_version']})")
+    out.print(f"  installed: {escape(versions)}")
+    missing = [m for m, ok in report["modules"].items() if not ok]
+    if missing:
+        out.print(f"  [red]missing: {escape(', '.join(missing))}[/red]")
+    for target, error in report["imports"].items():
+        state = "[green]imports[/green]" if error is None else f"[red]fails: {escape(error)}[/red]"
+        out.print(f"  {escape(target)}: {state}")
 
 
 def _transport(name: str, info: dict[str, Any]) -> None:

@@ -12,10 +12,10 @@ from rich.table import Table
 
 from pdctl import console
 from pdctl.cli.common import JsonOption, QuietOption, VerboseOption, options, report_issues
+from pdctl.engines import get_engine
 from pdctl.engines.base import render_command
 from pdctl.launch.plan import LaunchPlan, ProcessPlan, load_checked, make_plan
 from pdctl.topology.issues import TopologyError
-from pdctl.topology.model import Topology
 
 
 def plan(
@@ -39,46 +39,34 @@ def plan(
 def _summary(launch_plan: LaunchPlan) -> list[str]:
     topology = launch_plan.topology
     transfer = topology.transfer
-    staging = "off (equal TP: pages go directly)"
-    if topology.uses_staging and topology.engine == "sglang":  # SGLang sizes its own writes
-        staging = f"on (SGLang's pool {transfer.staging.pool_size_mb:g} MiB)"
-    elif topology.uses_staging:
-        staging = (
-            f"on (pool {transfer.staging.pool_size_mb:g} MiB, "
-            f"segment {transfer.staging.effective_segment_mb:g} MiB)"
-        )
-    elif not transfer.staging.enabled:
-        staging = "disabled"
+    engine = get_engine(topology.engine)
     model = topology.model.path or f"preset {topology.model.preset}"
-    dtype = topology.effective_dtype if topology.engine == "embedded" else topology.model.dtype
     reqs = launch_plan.requirements
     needs = [f"{reqs.device_count} x {reqs.device_type}" if reqs.device_count else "cpu"]
     needs += [*reqs.modules, *reqs.capabilities]
-    return [
+    if reqs.cpu_cores:
+        needs.append(f"{reqs.cpu_cores} cores")
+    if reqs.engine_modules:
+        needs.append(f"{', '.join(reqs.engine_modules)} in the engine's environment")
+    lines = [
         f"topology  {topology.name}  ({launch_plan.loaded.file})",
-        f"engine    {topology.engine}, model {model}, dtype {dtype}, device {topology.device}",
+        f"engine    {topology.engine}, model {model}, dtype {topology.effective_dtype}, "
+        f"device {topology.device}",
+        f"python    {launch_plan.engine_python}",
         f"transfer  {transfer.backend}"
         + (f" over {transfer.effective_protocol}" if transfer.backend == "mooncake" else "")
-        + f", staging {staging}",
-        f"serving   {serving_mode(topology)}",
+        + f", {engine.describe_staging(topology)}",
+        f"serving   {engine.describe_serving(topology)}",
         f"router    {topology.router.kind} at {launch_plan.router_url}",
         f"requires  {', '.join(needs)}",
     ]
-
-
-def serving_mode(topology: Topology) -> str:
-    """The serving mode as a line: what serving.deterministic asks of this engine."""
-    if not topology.serving.deterministic:
-        return "deterministic off (serving.deterministic: false): the vendor fast path"
-    if topology.engine == "sglang":
-        return "deterministic (serving.deterministic): --enable-deterministic-inference"
-    kernels = "one thread" if topology.device == "cpu" else "Triton products"
-    return f"deterministic (serving.deterministic): fixed-order kernels, {kernels}"
+    lines += [f"prepare   {step.what}" for step in launch_plan.preparations]
+    return lines
 
 
 def _process_table(launch_plan: LaunchPlan) -> Table:
     table = Table(title="processes", title_justify="left", show_lines=False)
-    for column in ("process", "ranks (device)", "ports"):
+    for column in ("process", "ranks (device)", "cores", "ports"):
         table.add_column(column)
     fixed = launch_plan.fixed_ports
     for process in launch_plan.processes:
@@ -90,7 +78,8 @@ def _process_table(launch_plan: LaunchPlan) -> Table:
         ports = ", ".join(
             f"{slot.name}={fixed.get(slot.key, 'at launch')}" for slot in process.ports
         )
-        table.add_row(process.name, ranks, ports)
+        cores = ",".join(str(core) for core in process.cores) or "any"
+        table.add_row(process.name, ranks, cores, ports)
     return table
 
 

@@ -199,6 +199,25 @@ class Engine(ABC):
         all of them, the default."""
         return ()
 
+    def describe_staging(self, topology: Topology) -> str:
+        """How the KV of a TP pair moves, as `pdctl plan` says it (pdctl's staging)."""
+        transfer = topology.transfer
+        if topology.uses_staging:
+            return (
+                f"staging on (pool {transfer.staging.pool_size_mb:g} MiB, "
+                f"segment {transfer.staging.effective_segment_mb:g} MiB)"
+            )
+        if not transfer.staging.enabled:
+            return "staging disabled"
+        return "staging off (equal TP: pages go directly)"
+
+    def describe_serving(self, topology: Topology) -> str:
+        """What serving.deterministic asks of this engine, as `pdctl plan` says it."""
+        if not topology.serving.deterministic:
+            return "deterministic off (serving.deterministic: false): the vendor fast path"
+        kernels = "one thread" if topology.device == "cpu" else "Triton products"
+        return f"deterministic (serving.deterministic): fixed-order kernels, {kernels}"
+
     def interpreter(self, topology: Topology) -> str:
         """The interpreter that runs this engine's servers (pdctl's, by default)."""
         return python()
@@ -206,6 +225,12 @@ class Engine(ABC):
     def requirements(self, topology: Topology, base: Requirements) -> Requirements:
         """What the machine needs besides `base` (the topology's generic needs)."""
         return base
+
+    def environment_checks(self, topology: Topology) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """What `pdctl doctor FILE` asks the engine's interpreter: the distributions whose
+        versions it reports, and the `module:attribute` imports (the KV connector) that
+        must succeed there. None for pdctl's own servers (doctor probes pdctl's env)."""
+        return (), ()
 
     def preparations(self, topology: Topology) -> list[Preparation]:
         """Steps before any server starts (none by default)."""

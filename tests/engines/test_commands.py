@@ -143,7 +143,7 @@ def test_vllm_commands_env_and_builtin_router(four_cores: None) -> None:
     assert [p.cores for p in plan.processes] == [(0, 1), (2, 3), ()]
     assert plan.requirements.cpu_cores == 2
     assert plan.requirements.engine_modules == ("vllm", "nixl")
-    assert [step.argv[1:3] for step in plan.preparations] == [("-m", "pdctl.serve.model.export")]
+    assert [step.argv[1:3] for step in plan.preparations] == [("-m", "pdctl.serve.export")]
     assert line(plan, "router").endswith(
         "--decode 'http://127.0.0.1:<decode-0.http>' --host 127.0.0.1 --port '<router.http>' "
         "--request-timeout 120 --pd-flow vllm"

@@ -5,7 +5,7 @@ for that preset and seed (`weights.preset_source`, CPU generator), saved under t
 names transformers gives a Llama, with a tokenizer that encodes text as the presets'
 byte tokenizer does (token i < 256 is byte i; 256 BOS, 257 EOS). The launcher runs
 this module in pdctl's interpreter before it starts the servers
-(`python -m pdctl.serve.model.export`), once per preset, seed and dtype: the folder
+(`python -m pdctl.serve.export`), once per preset, seed and dtype: the folder
 is written beside it and renamed into place, so a folder that exists is whole.
 
 Not known here: any engine's flags. The checkpoint is plain transformers format.
