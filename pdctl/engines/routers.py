@@ -46,6 +46,8 @@ MANAGED_FLAGS: Mapping[str, str] = {
     "--pd-flow": "engine",
     "--vllm-pd-disaggregation": "router.kind",
     "--kv-connector": "transfer.backend",
+    "--worker-startup-check-interval": "(pdctl's readiness)",
+    "--worker-startup-timeout-secs": "launcher.startup_timeout_s",
 }
 
 
@@ -82,7 +84,10 @@ def router_command(
             [python(), "-m", "sglang_router.launch_router", "--pd-disaggregation"]
             if kind == "sglang-router"
             else [engine_python(topology), "-m", "vllm_router.launch_router",
-                  "--vllm-pd-disaggregation", "--kv-connector", topology.transfer.backend]
+                  "--vllm-pd-disaggregation", "--kv-connector", topology.transfer.backend,
+                  # it serves only once every worker answered; asked every 30 s by default
+                  "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs",
+                  str(math.ceil(topology.launcher.startup_timeout_s))]
         )  # fmt: skip
         tail: list[str | Arg] = ["--request-timeout-secs", timeout]
         tail += ["--prometheus-host", Arg((host,)), "--prometheus-port", Arg((extra[0].ref,))]

@@ -324,6 +324,8 @@ def router_expected(plan: LaunchPlan, ports: dict[str, int | str]) -> dict[str, 
         "prometheus_host": topology.host,
         "prometheus_port": ports["router.metrics"],
         "request_timeout_secs": math.ceil(topology.transfer.timeouts.request_s),
+        "worker_startup_check_interval": 1,  # serves as soon as the workers answer
+        "worker_startup_timeout_secs": math.ceil(topology.launcher.startup_timeout_s),
     }
 
 

@@ -41,6 +41,7 @@ KV_FIELDS = (
 ROUTER_FIELDS = (
     "host", "port", "vllm_pd_disaggregation", "prefill_urls", "decode_urls", "kv_connector",
     "prometheus_host", "prometheus_port", "request_timeout_secs",
+    "worker_startup_check_interval", "worker_startup_timeout_secs",
 )  # fmt: skip
 
 
