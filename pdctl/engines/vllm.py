@@ -27,7 +27,6 @@ from typing import Any, ClassVar
 
 from pdctl.engines.base import (
     REFERENCE,
-    WORKDIR,
     Arg,
     Command,
     Engine,
@@ -43,6 +42,12 @@ from pdctl.engines.base import (
 from pdctl.engines.dialect import CompletionsDialect
 from pdctl.engines.probes import Probe, health, on_http
 from pdctl.engines.proof import VLLMProof
+from pdctl.engines.vllm_env import (
+    common_env,
+    preset_folder,
+    server_cores,
+    unless_user_set,
+)
 from pdctl.engines.vllm_rules import vllm_issues
 from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology
@@ -50,9 +55,6 @@ from pdctl.topology.resolve import (
     EnvEntry,
     Requirements,
     ServerLayout,
-    available_cores,
-    cpu_placement,
-    merged_user_env,
     role_spec,
     servers,
 )
@@ -73,21 +75,6 @@ CONNECTOR_MODULES = {  # what `pdctl doctor FILE` imports in the engine's enviro
     "mooncake": "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
     ":MooncakeConnector",
 }
-CPU_KV_CACHE_GIB = "1"  # vLLM's CPU KV cache, in GiB: 3.3 GB a server with it on 2-core CI
-
-
-def runs_folder(topology: Topology) -> Path:
-    """launcher.run_dir, relative to the working directory as the runs are."""
-    base = Path(topology.launcher.run_dir)
-    return base if base.is_absolute() else Path.cwd() / base
-
-
-def preset_folder(topology: Topology) -> Path:
-    """Where a preset is written as a checkpoint: launcher.run_dir/models, one per
-    preset, seed and dtype."""
-    model = topology.model
-    name = f"{model.preset}-seed{model.seed}-{topology.effective_dtype}"
-    return runs_folder(topology) / "models" / name
 
 
 def model_location(topology: Topology) -> str:
@@ -98,11 +85,6 @@ def served_name(topology: Topology) -> str:
     """The model's name in the OpenAI API: the preset's, or the checkpoint folder's."""
     model = topology.model
     return model.preset if model.uses_preset else Path(str(model.path)).name or "model"
-
-
-def omp_bind(ranks: tuple[tuple[int, ...], ...]) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND: each rank's cores, ranks separated by '|'."""
-    return "|".join(",".join(str(core) for core in cores) for cores in ranks)
 
 
 def kv_transfer_config(topology: Topology, role: str) -> str:
@@ -174,7 +156,7 @@ class VLLMEngine(Engine):
         return command(*args, *role_spec(topology, server.role).args)
 
     def env(self, topology: Topology, server: ServerLayout) -> list[EnvEntry]:
-        entries = _common_env(topology, _cores_of(topology, server.name))
+        entries = common_env(topology, server_cores(topology, server.name))
         backend = topology.transfer.backend
         if backend in SIDE_CHANNEL_PORT:
             side = f"<{server.name}.{SIDE_SLOT[backend]}>"
@@ -186,12 +168,12 @@ class VLLMEngine(Engine):
             entries.append(
                 EnvEntry("VLLM_MOONCAKE_CONNECTOR_TIMEOUT", timeout, "transfer.timeouts.transfer_s")
             )
-        return _unless_user_set(topology, server.role, entries)
+        return unless_user_set(topology, server.role, entries)
 
     def cores(self, topology: Topology, server: ServerLayout) -> tuple[int, ...]:
         """On cpu, the server's cores, for the whole process: UCX's progress thread then
         spins on them, not on another server's (or on pdctl's)."""
-        ranks = _cores_of(topology, server.name) or ()
+        ranks = server_cores(topology, server.name) or ()
         return tuple(core for cores in ranks for core in cores)
 
     def reference(self, topology: Topology, tp: int) -> ReferenceSpec:
@@ -205,7 +187,7 @@ class VLLMEngine(Engine):
         probes = (health(host, by_name), on_http(host, by_name, "model served", "/v1/models"))
         cores = self.cores(topology, servers(topology)[0])
         ranks = tuple(cores[rank::tp] for rank in range(tp)) if len(cores) >= tp else None
-        env = _unless_user_set(topology, "prefill", _common_env(topology, ranks))
+        env = unless_user_set(topology, "prefill", common_env(topology, ranks))
         return ReferenceSpec((slot,), command(*args), probes, tuple(env), cores)
 
     def interpreter(self, topology: Topology) -> str:
@@ -268,62 +250,6 @@ class VLLMEngine(Engine):
     def check(self, topology: Topology) -> Iterator[Issue]:
         yield from super().check(topology)
         yield from vllm_issues(topology)
-
-
-def _cores_of(topology: Topology, name: str) -> tuple[tuple[int, ...], ...] | None:
-    if topology.device != "cpu":
-        return None
-    placement = cpu_placement(topology, available_cores())
-    return None if placement is None else placement[name]
-
-
-def _common_env(topology: Topology, cores: tuple[tuple[int, ...], ...] | None) -> list[EnvEntry]:
-    """What every vLLM server of the topology (the reference too) runs with: its
-    temporary files, sockets and configuration in its own folder of the run; compiled
-    kernels in a cache the runs share (launcher.run_dir/cache/vllm), since vLLM compiles
-    its logprobs kernel at the first request that asks for logprobs (35 s on 2 cores)."""
-    here = "(the server's folder in the run)"
-    shared = str(runs_folder(topology) / "cache" / "vllm")
-    cached = "(compiled kernels, shared by the runs in launcher.run_dir)"
-    entries = [
-        EnvEntry("TMPDIR", f"{WORKDIR}/tmp", here),
-        # relative to the server's folder, where it starts: a socket path must stay under
-        # 108 bytes, which a run directory's absolute path need not
-        EnvEntry("VLLM_RPC_BASE_PATH", "tmp", here),
-        EnvEntry("VLLM_CONFIG_ROOT", f"{WORKDIR}/config", here),
-        EnvEntry("XDG_CACHE_HOME", f"{WORKDIR}/cache", here),
-        EnvEntry("VLLM_CACHE_ROOT", shared, cached),
-        EnvEntry("TORCHINDUCTOR_CACHE_DIR", f"{shared}/torchinductor", cached),
-        EnvEntry("TRITON_CACHE_DIR", f"{shared}/triton", cached),
-        EnvEntry("VLLM_NO_USAGE_STATS", "1", "(nothing leaves the machine)"),
-        EnvEntry("DO_NOT_TRACK", "1", "(nothing leaves the machine)"),
-        EnvEntry("VLLM_SERVER_DEV_MODE", "1", "(verify empties caches: /reset_prefix_cache)"),
-    ]
-    if topology.model.uses_preset or Path(str(topology.model.path)).is_dir():
-        offline = "model.path (a local checkpoint: served offline)"
-        entries += [
-            EnvEntry("HF_HUB_OFFLINE", "1", offline),
-            EnvEntry("TRANSFORMERS_OFFLINE", "1", offline),
-            EnvEntry("HF_HOME", f"{WORKDIR}/cache/huggingface", here),
-        ]
-    if topology.device == "cpu":
-        entries.append(
-            EnvEntry("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB, "(pdctl's bound on cpu)")
-        )
-        if cores is not None:
-            entries.append(
-                EnvEntry("VLLM_CPU_OMP_THREADS_BIND", omp_bind(cores), "(cores of this machine)")
-            )
-    elif topology.serving.deterministic:
-        entries.append(EnvEntry("VLLM_BATCH_INVARIANT", "1", "serving.deterministic"))
-    return entries
-
-
-def _unless_user_set(topology: Topology, role: str, entries: list[EnvEntry]) -> list[EnvEntry]:
-    """pdctl's defaults, except where the topology's env (or the role's) sets the
-    variable: that value is the user's (the env layers show it)."""
-    user = merged_user_env(topology, role)
-    return [entry for entry in entries if entry.name not in user]
 
 
 def _server_args(

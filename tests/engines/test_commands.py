@@ -119,7 +119,7 @@ def test_embedded_mooncake_and_builtin_router() -> None:
 @pytest.fixture
 def four_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """The machine's cores as pdctl sees them, fixed: plans place servers on them."""
-    monkeypatch.setattr("pdctl.engines.vllm.available_cores", lambda: (0, 1, 2, 3))
+    monkeypatch.setattr("pdctl.engines.vllm_env.available_cores", lambda: (0, 1, 2, 3))
 
 
 def test_vllm_commands_env_and_builtin_router(four_cores: None) -> None:
