@@ -30,14 +30,27 @@ from typing import Any
 import httpx
 import yaml
 
+from pdctl.errors import UsageError
 from pdctl.launch.launcher import make_run
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.records import KVSent, KVTransfer, ServerInfo
 from pdctl.topology import TopologyError, load_file
+from pdctl.topology.model import Topology
 
 BACKENDS = ("tcp", "mooncake", "nixl")
 WARMUP = 4  # full-length warm-up requests before the measured ones
 MODULES = {"mooncake": ("mooncake",), "nixl": ("nixl", "nixl_cu12", "nixl_cu13")}
+
+
+def refuse_other_engines(topology: Topology, command: str, instead: str) -> None:
+    """pdctl's benchmarks read what pdctl's own servers report (`/generate`, the KV
+    sent): another engine's topology is a usage error, never a half-measured run."""
+    if topology.engine != "embedded":
+        raise UsageError(
+            f"pdctl {command} measures pdctl's own servers; {topology.name} runs engine "
+            f"{topology.engine}",
+            hint=instead,
+        )
 
 
 def workload(prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
@@ -201,7 +214,10 @@ def bench_pd(
     concurrency: int = 6,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
-    base = load_file(topology).topology  # a bad file fails here, before anything starts
+    base = load_file(topology).topology
+    refuse_other_engines(
+        base, "bench pd", "benchmarks/vllm_pd.py measures real vLLM PD against colocated"
+    )  # before anything starts
     work = workload(prompts, prompt_len)
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from pdctl.launch import rss
-from pdctl.launch.bench import variant
+from pdctl.launch.bench import refuse_other_engines, variant
 from pdctl.launch.launcher import make_run
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.requirements import unmet
@@ -223,6 +223,7 @@ def bench_soak(
     """The soak of each transport in turn; `warmup` defaults to a fifth of `requests`
     (the 2,000th of 10,000)."""
     base = load_file(topology).topology
+    refuse_other_engines(base, "bench soak", "pdctl verify checks a vLLM or SGLang topology")
     warm = min(requests, warmup if warmup is not None else max(1, requests // 5))
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}

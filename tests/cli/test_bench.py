@@ -91,3 +91,12 @@ def test_bench_pd_rejects_an_unknown_backend(cli) -> None:
     result = cli.invoke(app, ["bench", "pd", "--backends", "tcp,carrier-pigeon"])
     assert result.exit_code == 2
     assert "unknown transport(s) carrier-pigeon" in result.stderr
+
+
+def test_bench_pd_and_soak_refuse_another_engines_topology(cli) -> None:
+    """They read what pdctl's servers report: a vLLM topology is named, never half-run."""
+    vllm = "topologies/cpu-vllm-p1d1-nixl.yaml"
+    for command in (["bench", "pd", vllm], ["bench", "soak", vllm]):
+        result = cli.invoke(app, command)
+        assert result.exit_code == 2, result.output
+        assert "measures pdctl's own servers; cpu-vllm-p1d1-nixl runs engine vllm" in result.stderr
