@@ -246,6 +246,16 @@ class Engine(ABC):
         )
 
 
+def encoder_issues(topology: Topology, hint: str) -> Iterator[Issue]:
+    """An encoder role where only pdctl's servers can run one."""
+    if topology.roles.encoder is not None:
+        yield Issue(
+            ("roles", "encoder"),
+            "pdctl launches encoder (EPD) topologies with the embedded engine only",
+            hint,
+        )
+
+
 def managed_flag_issues(
     where: tuple[str, ...], args: list[str], managed: Mapping[str, str]
 ) -> Iterator[Issue]:

@@ -22,6 +22,7 @@ from pdctl.engines.base import (
     ReferenceSpec,
     base_slots,
     command,
+    encoder_issues,
     engine_python,
     host_ref,
 )
@@ -198,12 +199,9 @@ class SGLangEngine(Engine):
                 "the segment size (pdctl's servers only)",
                 "remove segment_size_mb; transfer.staging.pool_size_mb sets SGLang's pool",
             )
-        if topology.roles.encoder is not None:
-            yield Issue(
-                ("roles", "encoder"),
-                "pdctl launches encoder (EPD) topologies with the embedded engine only",
-                "use engine: embedded, or run the SGLang encoder outside pdctl",
-            )
+        yield from encoder_issues(
+            topology, "use engine: embedded, or run the SGLang encoder outside pdctl"
+        )
 
 
 def _server_args(

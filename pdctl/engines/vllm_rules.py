@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterator
 
+from pdctl.engines.base import encoder_issues
 from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology
 
@@ -32,12 +33,7 @@ def vllm_issues(topology: Topology) -> Iterator[Issue]:
             "set serving.deterministic: false; verify then reports engine numerics (after "
             "the control before blame) without failing on them",
         )
-    if topology.roles.encoder is not None:
-        yield Issue(
-            ("roles", "encoder"),
-            "pdctl launches encoder (EPD) topologies with the embedded engine only",
-            "remove the encoder role, or use engine: embedded",
-        )
+    yield from encoder_issues(topology, "remove the encoder role, or use engine: embedded")
     if topology.launcher.kind != "local":
         yield Issue(
             ("launcher", "kind"),

@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tests.serve.conftest import Server, free_port, spawn_server
+from tests.serve.conftest import Server, free_port, spawn_server, wait_healthy
 
 PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1",
           "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": 5600}  # fmt: skip
@@ -83,14 +83,7 @@ def router(workers: tuple[Scripted, Scripted, str, str]) -> Iterator[Server]:
     _, _, prefill_url, decode_url = workers
     server = spawn_server("--pd-flow", "vllm", "--prefill", prefill_url, "--decode", decode_url,
                           "--request-timeout", "20", role="router")  # fmt: skip
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
+    wait_healthy(server)  # the router's /health: both sides answered theirs
     yield server
     server.stop()
 

@@ -71,6 +71,12 @@ def _with_bootstrap(body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
     }
 
 
+def failed_events(message: str, status: int) -> list[bytes]:
+    """How a stream ends on a failure: the error as one event, then [DONE]."""
+    body = json.dumps(error_body(message, status=status))
+    return [f"data: {body}\n\n".encode(), b"data: [DONE]\n\n"]
+
+
 def split_batch(body: dict[str, Any], key: str) -> list[dict[str, Any]] | None:
     """A batch body as one body per prompt, or None when it is one prompt."""
     value = body.get(key)
@@ -180,8 +186,8 @@ async def route_stream(
         try:
             body, _ = await _encode(state, client, path, body, prefill)
         except SideFailed as exc:
-            yield f"data: {json.dumps(error_body(str(exc), status=exc.status))}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+            for event in failed_events(str(exc), exc.status):
+                yield event
             return
         routed = _with_bootstrap(body, prefill)
         prefill_task = asyncio.create_task(post(client, prefill, path, {**routed, "stream": False}))
@@ -196,11 +202,11 @@ async def route_stream(
                     yield chunk
             await prefill_task
         except SideFailed as exc:
-            yield f"data: {json.dumps(error_body(str(exc), status=exc.status))}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+            for event in failed_events(str(exc), exc.status):
+                yield event
         except httpx.HTTPError as exc:
-            body = error_body(f"decode {decode.url} failed: {exc}", status=502)
-            yield f"data: {json.dumps(body)}\n\n".encode()
+            for event in failed_events(f"decode {decode.url} failed: {exc}", 502):
+                yield event
         finally:
             prefill_task.cancel()
 

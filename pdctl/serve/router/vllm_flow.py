@@ -17,15 +17,13 @@ A request holds a slot on its prefill server while prefill runs, then one on dec
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import httpx
 
-from pdctl.serve.api.errors import error_body
-from pdctl.serve.router.forward import SideFailed, post
+from pdctl.serve.router.forward import SideFailed, failed_events, post
 from pdctl.serve.router.workers import RouterState, Worker
 
 REMOTE_DECODE = {
@@ -100,9 +98,8 @@ async def stream_from_decode(
                 async for chunk in response.aiter_raw():
                     yield chunk
         except SideFailed as exc:
-            yield f"data: {json.dumps(error_body(str(exc), status=exc.status))}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+            for event in failed_events(str(exc), exc.status):
+                yield event
         except httpx.HTTPError as exc:
-            failed = error_body(f"decode {decode.url} failed: {exc}", status=502)
-            yield f"data: {json.dumps(failed)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+            for event in failed_events(f"decode {decode.url} failed: {exc}", 502):
+                yield event
