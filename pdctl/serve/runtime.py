@@ -92,12 +92,13 @@ class Rank:
 
     @property
     def max_context(self) -> int:
-        return context_limit(self.config, self.kv.pool_tokens)
+        return context_limit(self.config, self.kv.pool_tokens, self.kv.page_size)
 
 
-def context_limit(config: ModelConfig, pool_tokens: int) -> int:
-    """The longest sequence a rank takes: its positions and its KV pool both bound it."""
-    return min(config.shape.max_position, pool_tokens)
+def context_limit(config: ModelConfig, pool_tokens: int, page_size: int) -> int:
+    """The longest sequence a rank takes: its positions and its KV pool both bound it
+    (the pool less its scratch page, which no request is given: kv_pool.py)."""
+    return min(config.shape.max_position, pool_tokens - page_size)
 
 
 def device_for(args: ServerArgs) -> torch.device:
@@ -155,7 +156,7 @@ def load_model(
     runner = ModelRunner(weights, kv, device, gather, compute_logits=args.tp_rank == 0)
     graphs = DecodeGraphs.for_runner(
         runner,
-        capacity=context_limit(config, pool),
+        capacity=context_limit(config, pool, args.page_size),
         scratch_row=kv.scratch_row,
         max_batch=args.max_running_requests,
         enabled=args.cuda_graphs,

@@ -183,9 +183,14 @@ def prefix_hit(ctx: Context, result: PassResult) -> None:
         result.skipped = "the workload has no prefix family"
         return
     result.notes += ctx.flush(ctx.target.decode_urls)  # prefill keeps its radix cache
-    # families some earlier pass served whole: their prefix must be in prefill's cache
-    served = {r.prompt.family for run in ctx.passes for r in run.results if r.ok}
     _serially(ctx, result, ctx.target.router_url, family)
+    if len(ctx.target.prefill_urls) > 1:  # members of a family may go to different prefills
+        result.notes.append("cache hits not claimed: several prefill servers share the family")
+        return
+    # a family's prefix is in prefill's cache once this pass served one of its prompts: the
+    # next ones must reuse it (an earlier pass's may have been evicted by the passes since,
+    # on a small KV pool, so they prove nothing)
+    served: set[str | None] = set()
     for answer in result.results:
         if answer.ok and answer.cached_tokens <= 0 and answer.prompt.family in served:
             ctx.findings.append(
@@ -197,6 +202,8 @@ def prefix_hit(ctx: Context, result: PassResult) -> None:
                     "served (cached_tokens = 0)",
                 )
             )
+        if answer.ok:
+            served.add(answer.prompt.family)
 
 
 def reference(ctx: Context, result: PassResult) -> None:

@@ -28,22 +28,30 @@ def router(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, json={"output_ids": [7] * count, "meta_info": {"cached_tokens": 0}})
 
 
-@pytest.mark.parametrize("served_before", [True, False])
-def test_a_cache_miss_is_claimed_only_for_a_prefix_that_was_served(served_before: bool) -> None:
-    """A prefix-hit answer with no cached token is a cache miss only when an earlier pass
-    served that family whole; when every earlier request of it failed, prefill never
-    had it to cache, and claiming otherwise would be false."""
+@pytest.mark.parametrize("first_served", [True, False])
+def test_a_cache_miss_is_claimed_only_for_a_prefix_that_was_just_served(
+    first_served: bool,
+) -> None:
+    """A prefix-hit answer with no cached token is a cache miss only when this pass had
+    just served its family's prefix (a request of it answered); a prefix an earlier pass
+    served may have been evicted since, and when the family's first request failed
+    prefill never had it to cache: claiming a miss then would be false."""
     settings = Settings(4, 2, True, False, True, 0.05, True, 10.0)
-    client = httpx.Client(transport=httpx.MockTransport(router))
+    answered = iter([first_served, True])
+
+    def scripted(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/generate" and not next(answered):
+            return httpx.Response(400, json={"error": {"message": "refused"}})
+        return router(request)
+
+    client = httpx.Client(transport=httpx.MockTransport(scripted))
     ctx = Context(Target("http://router", [], [], None), FAMILY, settings, client)
-    earlier = [
-        Result(p, served_before, output_ids=[7] * 4 if served_before else []) for p in FAMILY
-    ]
-    ctx.passes = [PassResult("serial", earlier), PassResult("prefix-hit")]
+    ctx.passes = [PassResult("serial", [Result(p, True, [7] * 4) for p in FAMILY])]
+    ctx.passes.append(PassResult("prefix-hit"))
     prefix_hit(ctx, ctx.passes[-1])
-    assert len(ctx.passes[-1].results) == 2 and all(r.ok for r in ctx.passes[-1].results)
+    assert [r.ok for r in ctx.passes[-1].results] == [first_served, True]
     misses = [f for f in ctx.findings if f.classification == "cache-miss"]
-    assert len(misses) == (2 if served_before else 0)
+    assert [m.request for m in misses] == (["p1"] if first_served else [])
 
 
 class _Scripted(Target):

@@ -12,7 +12,6 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from pdctl.serve.api.admin import add_admin
@@ -22,6 +21,7 @@ from pdctl.serve.api.errors import BadRequest, error_body
 from pdctl.serve.api.generate import add_generate
 from pdctl.serve.api.guards import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
 from pdctl.serve.api.models import add_models
+from pdctl.serve.api.openapi import Document, Route, describe
 from pdctl.serve.api.submission import ServerContext
 
 
@@ -32,14 +32,6 @@ def add_error_handlers(app: FastAPI) -> None:
     async def _bad(_: HttpRequest, exc: BadRequest) -> JSONResponse:
         return JSONResponse(error_body(exc.message, exc.param, exc.status), status_code=exc.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: HttpRequest, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-        return JSONResponse(
-            error_body(f"{where or 'body'}: {first.get('msg')}", where or None), status_code=400
-        )
-
     @app.middleware("http")
     async def _limit(request: HttpRequest, call_next: Callable[[HttpRequest], Any]) -> Response:
         refused = refuse_oversized(request, MAX_BODY_BYTES)
@@ -47,6 +39,21 @@ def add_error_handlers(app: FastAPI) -> None:
             return JSONResponse(error_body(refused[1]), status_code=refused[0])
         response: Response = await call_next(request)
         return response
+
+
+PD_STATUSES = (409, 503, 504)
+ROUTES: dict[tuple[str, str], Route] = {
+    ("GET", "/health"): Route((503,)),
+    # a prefill or decode server serves PD requests only: it cannot generate alone
+    ("GET", "/health_generate"): Route((400, 503)),
+    ("GET", "/metrics"): Route(text=True),
+    # 409: a PD request's room taken; 504: no KV within the transfer timeouts
+    ("POST", "/generate"): Route(PD_STATUSES, streams=True),
+    ("POST", "/v1/completions"): Route(PD_STATUSES, streams=True),
+    ("POST", "/v1/chat/completions"): Route(PD_STATUSES, streams=True),
+    ("GET", "/v1/models/{model_id}"): Route((404,)),
+    ("POST", "/internal/kv_ready"): Route((400, 401), internal=True),  # decode: prefill's reports
+}
 
 
 def create_app(
@@ -61,4 +68,5 @@ def create_app(
     add_models(app, ctx.model_name, ctx.max_context)
     if setup is not None:
         setup(app, ctx)
+    describe(app, Document(f"pdctl {ctx.info.get('role', 'embedded')} server", ROUTES))
     return app

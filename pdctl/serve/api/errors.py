@@ -18,6 +18,6 @@ class BadRequest(Exception):
 
 def error_body(message: str, param: str | None = None, status: int = 400) -> dict[str, Any]:
     kind = "BadRequestError" if status < 500 else "ServiceUnavailableError"
-    if status == 404:
+    if status in (404, 405):
         kind = "NotFoundError"
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

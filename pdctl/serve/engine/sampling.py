@@ -48,7 +48,9 @@ def choose(
     if params.temperature <= 0:
         token = int(torch.argmax(logits))
     else:
-        scores = logits / params.temperature
+        # shifted by the maximum and scaled in float64: any temperature the API takes (down
+        # to 5e-324) gives scores <= 0, never inf - inf = nan (which killed the engine)
+        scores = (logits.double() - logits.max()) / params.temperature
         if 0 < params.top_k < scores.numel():
             threshold = torch.topk(scores, params.top_k).values[-1]
             scores = scores.masked_fill(scores < threshold, float("-inf"))

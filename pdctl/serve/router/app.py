@@ -13,15 +13,19 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
+from urllib.parse import quote
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Path
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 
 from pdctl.serve.api.errors import error_body
 from pdctl.serve.api.guards import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
+from pdctl.serve.api.openai_schemas import ChatBody, CompletionBody
+from pdctl.serve.api.openapi import Document, Route, describe
+from pdctl.serve.api.schemas import GenerateBody
 from pdctl.serve.faults import faults
 from pdctl.serve.router import vllm_flow
 from pdctl.serve.router.forward import (
@@ -37,6 +41,19 @@ from pdctl.serve.router.workers import RouterState, check_health
 CLIENT_KEEP_ALIVE_S = 10  # under the servers' 30 s (serve/http.py KEEP_ALIVE_S)
 
 FORWARDED = ("/generate", "/v1/completions", "/v1/chat/completions")
+PRINTABLE = Path(description="A model id; one a URL cannot carry is refused.",
+                 pattern=r"^[^\x00-\x1f\x7f]+$")  # fmt: skip
+SIDES = (400, 404, 502, 503, 504)  # a request through the router: its own and the sides'
+# the bodies are forwarded as they came (size and depth guarded), documented, not parsed
+ROUTES: dict[tuple[str, str], Route] = {
+    ("POST", "/generate"): Route(SIDES, streams=True, body=GenerateBody),
+    ("POST", "/v1/completions"): Route(SIDES, streams=True, body=CompletionBody),
+    ("POST", "/v1/chat/completions"): Route(SIDES, streams=True, body=ChatBody),
+    ("GET", "/v1/models"): Route((502, 503)),
+    ("GET", "/v1/models/{model_id}"): Route((400, 404, 502, 503)),
+    ("GET", "/health"): Route((503,)),
+    ("GET", "/metrics"): Route(text=True),
+}
 VLLM_FORWARDED = ("/v1/completions", "/v1/chat/completions")  # vLLM has no /generate
 EVENTS = "text/event-stream"
 
@@ -141,16 +158,29 @@ def add_forwarded(app: FastAPI, state: RouterState, client: httpx.AsyncClient) -
         app.add_api_route(path, handle, methods=["POST"])
 
     async def models(request: HttpRequest) -> Response:
-        if not state.ready:
-            return error(state.not_ready_reason(), 503)
-        try:
-            answer = await forward_get(state, client, request.url.path)
-        except SideFailed as exc:
-            return error(str(exc), exc.status)
-        return Response(answer.content, answer.status_code, media_type="application/json")
+        return await forward_models(state, client, "/v1/models")
+
+    async def model(model_id: str = PRINTABLE) -> Response:
+        """One model: its id goes on percent-encoded; one a URL cannot carry (control
+        characters, or nothing) is a 400 here, never forwarded."""
+        if not model_id or not model_id.isprintable():
+            return error("the model id holds characters a URL cannot carry", 400)
+        return await forward_models(state, client, f"/v1/models/{quote(model_id, safe='')}")
 
     app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
+
+
+async def forward_models(state: RouterState, client: httpx.AsyncClient, path: str) -> Response:
+    if not state.ready:
+        return error(state.not_ready_reason(), 503)
+    try:
+        answer = await forward_get(state, client, path)
+    except SideFailed as exc:
+        return error(str(exc), exc.status)
+    if answer.status_code >= 500:  # a decode server's failure, named as the router names it
+        return error(f"decode failed: {answer.status_code} {answer.text[:300]}", 502)
+    return Response(answer.content, answer.status_code, media_type="application/json")
 
 
 def add_own(app: FastAPI, state: RouterState) -> None:
@@ -171,7 +201,7 @@ def add_own(app: FastAPI, state: RouterState) -> None:
             "stats": dict(state.counters),
         }
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         lines = [f"pdctl_router_{k}_total {v}" for k, v in state.counters.items()]
         lines += [
@@ -197,4 +227,5 @@ def create_router_app(state: RouterState) -> FastAPI:
     guard_json_depth(app)
     add_forwarded(app, state, client)
     add_own(app, state)
+    describe(app, Document("pdctl router", ROUTES, answers_within_s=state.timeout))
     return app
