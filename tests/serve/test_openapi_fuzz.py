@@ -110,6 +110,15 @@ def test_the_router_documents_its_bound_and_refuses_what_it_cannot_forward(
     )
 
 
+def test_a_bootstrap_host_a_url_cannot_carry_is_refused_at_once(run: tuple[Run, Path]) -> None:
+    """Found by the fuzzer: a control character in bootstrap_host once left decode's
+    receiver dead and the request waiting forever."""
+    started, _ = run
+    body = {"input_ids": [5], "bootstrap_host": "\x12", "bootstrap_port": 1, "bootstrap_room": 9}
+    answer = httpx.post(f"{started.state('decode-0').url}/generate", json=body, timeout=10)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "bootstrap_host"
+
+
 def test_nothing_poisoned_after_the_fuzzing(run: tuple[Run, Path], tmp_path: Path) -> None:
     """Runs last in this module (pytest keeps the file's order): the same run, verified."""
     started, _ = run

@@ -13,6 +13,10 @@ from typing import Any
 
 from pydantic_core import PydanticCustomError
 
+# a host a router names for a PD request: a name or an IPv4 / IPv6 address, nothing a URL
+# cannot carry (a control character once left decode's receiver waiting forever)
+HOST = r"^[A-Za-z0-9._:\[\]-]+$"
+
 # field -> (the neutral values, what pdctl supports, in words)
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "frequency_penalty": ((None, 0), "only 0 is supported (pdctl applies no frequency penalty)"),

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from pdctl.serve.api.fields import check_neutral
+from pdctl.serve.api.fields import HOST, check_neutral
 
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
@@ -59,7 +59,7 @@ class OpenAIBody(BaseModel):
     min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
     # PD: added by the router
-    bootstrap_host: str | None = Field(None, max_length=255)
+    bootstrap_host: str | None = Field(None, max_length=255, pattern=HOST)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, le=2**63 - 1)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from pdctl.serve.api.fields import check_neutral
+from pdctl.serve.api.fields import HOST, check_neutral
 
 MAX_TOP_LOGPROBS = 20
 
@@ -68,7 +68,7 @@ class GenerateBody(BaseModel):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     stream: bool = False
     rid: str | None = Field(None, max_length=200)
-    bootstrap_host: str | None = Field(None, max_length=255)
+    bootstrap_host: str | None = Field(None, max_length=255, pattern=HOST)
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, le=2**63 - 1)
     # multimodal (see multimodal.py): from clients `image` / `images`; from an EPD router
