@@ -133,6 +133,33 @@ class RingState:
 
 
 @dataclass
+class FenceState:
+    """Memory a server holds for a PD room that ended while its KV may still be moving,
+    until every writer (decode's pages and ring regions) or reader (prefill's pages) of
+    it stopped; and how the rooms fenced so far were released."""
+
+    rooms: int = 0  # fenced now
+    pages: int = 0  # KV pages among them (this server's pool)
+    regions: int = 0  # staging ring regions among them (decode rank 0's ring)
+    released: int = 0  # released once prefill confirmed its senders stopped
+    writer_gone: int = 0  # released because the writing process is gone (it writes no more)
+    unconfirmed: int = 0  # released after the fence's bound without a confirmation
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    KINDS: ClassVar[Kinds] = {
+        "rooms": (int,), "pages": (int,), "regions": (int,), "released": (int,),
+        "writer_gone": (int,), "unconfirmed": (int,),
+    }  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        return _to(self)
+
+    @staticmethod
+    def from_json(data: Any, where: str = "fence") -> FenceState:
+        return _from(FenceState, data, where, FenceState.KINDS)
+
+
+@dataclass
 class KVSent:
     """What a prefill server sent since it started (benchmarks read the deltas)."""
 
@@ -184,6 +211,7 @@ class ServerInfo:
     kv: KVPool | None = None
     staging_ring: RingState | None = None  # decode
     kv_sent: KVSent | None = None  # prefill
+    fence: FenceState | None = None
     prefill: list[Any] | None = None  # a router's workers
     decode: list[Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -191,12 +219,13 @@ class ServerInfo:
     KINDS: ClassVar[Kinds] = {
         "role": (str,), "dtype": (str,), "deterministic": (bool,), "running_requests": (int,),
         "waiting_requests": (int,), "open_rooms": (int,), "kv": (dict,),
-        "staging_ring": (dict,), "kv_sent": (dict,), "prefill": (list,), "decode": (list,),
+        "staging_ring": (dict,), "kv_sent": (dict,), "fence": (dict,), "prefill": (list,),
+        "decode": (list,),
     }  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         out = _to(self)
-        for name in ("kv", "staging_ring", "kv_sent"):
+        for name in ("kv", "staging_ring", "kv_sent", "fence"):
             if name in out:
                 out[name] = out[name].to_json()
         return out
@@ -210,6 +239,8 @@ class ServerInfo:
             info.staging_ring = RingState.from_json(info.staging_ring, f"{where} staging_ring")
         if isinstance(info.kv_sent, dict):
             info.kv_sent = KVSent.from_json(info.kv_sent, f"{where} kv_sent")
+        if isinstance(info.fence, dict):
+            info.fence = FenceState.from_json(info.fence, f"{where} fence")
         return info
 
     def worker_urls(self, side: str) -> list[str]:
@@ -219,7 +250,9 @@ class ServerInfo:
 
     def leaks(self) -> list[str]:
         """What this server still holds with no request running: KV pages (the radix
-        cache apart), requests, live ring regions, open rooms. Empty: all back."""
+        cache apart), requests, live ring regions, open rooms, rooms still fenced (their
+        pages and regions are counted above too); and fenced memory released without its
+        writers' confirmation. Empty: all back, and honestly."""
         problems = []
         if self.kv is None:
             problems.append("no KV pool state")
@@ -231,4 +264,8 @@ class ServerInfo:
             problems.append(f"{self.staging_ring.live_regions} ring regions live")
         if self.open_rooms:
             problems.append(f"{self.open_rooms} rooms open")
+        if self.fence is not None and self.fence.rooms:
+            problems.append(f"{self.fence.rooms} rooms fenced (waiting for their writers)")
+        if self.fence is not None and self.fence.unconfirmed:
+            problems.append(f"{self.fence.unconfirmed} fenced rooms released unconfirmed")
         return problems

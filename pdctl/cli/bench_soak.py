@@ -47,6 +47,22 @@ def soak(
         typer.Option(min=0, help="Fail when any process's RSS grows this much after warm-up."),
     ] = 3.0,
     timeout: Annotated[float, typer.Option(min=1, help="Per-request timeout (s).")] = 120.0,
+    abort_every: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Abort one room in N mid-transfer (fault abort-transfer): the others must "
+            "stay token-exact, no digest may mismatch, the pools must come back.",
+        ),
+    ] = None,
+    decode_pool_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=32,
+            help="Decode's KV pool, in tokens (default: the topology's; 2048 with "
+            "--abort-every, so a page freed is handed out again at once).",
+        ),
+    ] = None,
     json_file: Annotated[
         Path | None, typer.Option("--json", help="Write the JSON report here ('-': stdout).")
     ] = None,
@@ -64,7 +80,8 @@ def soak(
     report = bench_soak(
         topology, backends=chosen, requests=requests, concurrency=concurrency,
         pool_mb=pool_mb, new_tokens=new_tokens, unique=unique, warmup=warmup,
-        timeout=timeout, rss_limit_pct=rss_limit_pct,
+        timeout=timeout, rss_limit_pct=rss_limit_pct, abort_every=abort_every,
+        decode_pool_tokens=decode_pool_tokens,
         progress=console.info if not opts.quiet else (lambda _: None),
     )  # fmt: skip
     if stdout_json:
@@ -87,6 +104,8 @@ def reasons(report: dict[str, Any]) -> list[str]:
             what.append(f"{row['failed']} failed (first: {row['first_failure']})")
         if row["mismatches"]:
             what.append(f"{row['mismatches']} answers differ from their reference")
+        if report.get("abort_every") and not row.get("aborted"):
+            what.append("no request was aborted")
         if not row["pools_back"]:
             what.append("not back: " + ", ".join(row["held"]))
         what += row["rss_problems"]
@@ -97,16 +116,20 @@ def reasons(report: dict[str, Any]) -> list[str]:
 
 def render(report: dict[str, Any]) -> None:
     title = f"soak: {report['topology']}, ring {report['pool_mb']:g} MiB/rank"
+    if report.get("abort_every"):
+        title += f", one room in {report['abort_every']} aborted mid-transfer"
     table = Table(title=title)
-    columns = ("transport", "requests", "failed", "mismatches", "req/s", "p50 ms", "p99 ms",
-               "pools back", "ring wraps", "max RSS growth %", "verdict")  # fmt: skip
+    columns = ("transport", "requests", "aborted", "failed", "digest mismatches",
+               "mismatches", "req/s", "p50 ms", "p99 ms", "pools back", "ring wraps",
+               "max RSS growth %", "verdict")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column == "transport" else "right")
     for row in report["rows"]:
         growth = row["rss_max_growth_pct"]
         table.add_row(
-            row["transport"], str(row["requests"]), str(row["failed"]),
-            str(row["mismatches"]), f"{row['requests_per_s']:.1f}",
+            row["transport"], str(row["requests"]), str(row["aborted"]), str(row["failed"]),
+            str(row["digest_mismatches"]), str(row["mismatches"]),
+            f"{row['requests_per_s']:.1f}",
             str(row["latency_ms_p50"]), str(row["latency_ms_p99"]),
             "yes" if row["pools_back"] else "NO",
             str(max(row["ring_wraps"].values(), default=0)),

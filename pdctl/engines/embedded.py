@@ -35,9 +35,11 @@ def _mb(value: float) -> str:
     return f"{value:g}"
 
 
-def model_args(topology: Topology) -> list[str | Arg]:
-    """Device, model and serving flags: the same for every role (and the reference)."""
+def model_args(topology: Topology, kv_pool_tokens: int | None = None) -> list[str | Arg]:
+    """Device, model and serving flags: the same for every role (and the reference), but
+    a role's own KV pool (`kv_pool_tokens`, else the topology's)."""
     model, serving = topology.model, topology.serving
+    pool = kv_pool_tokens if kv_pool_tokens is not None else serving.kv_pool_tokens
     args: list[str | Arg] = ["--device", topology.device]
     if model.uses_preset:
         args += ["--model-preset", model.preset]
@@ -50,8 +52,8 @@ def model_args(topology: Topology) -> list[str | Arg]:
         "--max-running-requests", str(serving.max_running_requests),
         "--chunked-prefill-tokens", str(serving.chunked_prefill_tokens),
     ]  # fmt: skip
-    if serving.kv_pool_tokens is not None:
-        args += ["--kv-pool-tokens", str(serving.kv_pool_tokens)]
+    if pool is not None:
+        args += ["--kv-pool-tokens", str(pool)]
     if not serving.overlap:
         args.append("--disable-overlap")
     args.append("--deterministic" if serving.deterministic else "--no-deterministic")
@@ -76,7 +78,7 @@ class EmbeddedEngine(Engine):
         "--page-size": "serving.page_size",
         "--max-running-requests": "serving.max_running_requests",
         "--chunked-prefill-tokens": "serving.chunked_prefill_tokens",
-        "--kv-pool-tokens": "serving.kv_pool_tokens",
+        "--kv-pool-tokens": "serving.kv_pool_tokens (roles.<role>.kv_pool_tokens)",
         "--disable-overlap": "serving.overlap",
         "--deterministic": "serving.deterministic",
         "--no-deterministic": "serving.deterministic",
@@ -151,7 +153,7 @@ class EmbeddedEngine(Engine):
             args += ["--dist-port", Arg((slots["dist"].ref,))]
         if server.shares_devices:  # ranks on one device: each rank's index in the mask
             args += ["--rank-devices", ",".join(str(i) for i in server.local_devices)]
-        args += model_args(topology)
+        args += model_args(topology, role_spec(topology, server.role).kv_pool_tokens)
         args += ["--transfer-backend", transfer.backend]
         if transfer.backend == "tcp":
             transport = [slots[f"transport.tp{rank}"].ref for rank in range(server.tp)]

@@ -191,17 +191,33 @@ def copy_ceiling_gbps(device: str, nbytes: int = 256 << 20) -> float | None:
 
 
 def variant(
-    path: Path, backend: str, directory: Path, staging: dict[str, float] | None = None
+    path: Path,
+    backend: str,
+    directory: Path,
+    staging: dict[str, float] | None = None,
+    changes: dict[str, Any] | None = None,
 ) -> Path:
-    """The topology file with another transport (and staging sizes), written to `directory`."""
+    """The topology file with another transport (and staging sizes, and `changes`
+    merged in: mappings key by key, lists appended), written to `directory`."""
     data = yaml.safe_load(path.read_text())
     transfer = data.setdefault("transfer", {})
     transfer["backend"] = backend
     if staging:
         transfer.setdefault("staging", {}).update(staging)
+    _merge(data, changes or {})
     target = directory / f"{path.stem}-{backend}.yaml"
     target.write_text(yaml.safe_dump(data, sort_keys=False))
     return target
+
+
+def _merge(data: dict[str, Any], changes: dict[str, Any]) -> None:
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            _merge(data[key], value)
+        elif isinstance(value, list) and isinstance(data.get(key), list):
+            data[key] = [*data[key], *value]
+        else:
+            data[key] = value
 
 
 def bench_pd(

@@ -10,6 +10,13 @@ serially, at temperature 0: the reference, the first PD answer of each prompt. T
 token with its prompt's reference (a request that fails, or one whose tokens
 differ, counts; CI proves both are caught, with injected faults).
 
+With `abort_every` N, the servers inject `abort-transfer`: past the reference pass,
+decode aborts one room in N while prefill's write to it is in flight, and that write
+lands after decode gave up (`serve/faults.py`). Those requests end aborted, as
+their client would see them; every other request must still be token-exact, no
+digest may mismatch (a late write landing in memory someone else now holds), and the
+pools must come back: what `abort-transfer` proves is that freed memory is fenced.
+
 The resident memory of every process of the run (`rss.py`: each PID of each
 server's group, TP ranks and the router included) is sampled when the `warmup`-th
 request completed and again when the last did; growth of `RSS_LIMIT_PCT` or more in
@@ -36,11 +43,21 @@ from pdctl.launch.launcher import make_run
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.requirements import unmet
 from pdctl.launch.run import Run
-from pdctl.launch.soak_load import Load, Outcome, generate
+from pdctl.launch.soak_load import ABORTED, Load, Outcome, generate
+from pdctl.records import ServerInfo
 from pdctl.topology import load_file
 
 RSS_LIMIT_PCT = 3.0
 LENGTHS = (3, 15, 16, 17, 40, 64, 100, 150, 250, 400)  # around page and segment edges
+ABORT_MARKS = (ABORTED, "abort-transfer")  # how an aborted request's answer reads
+CORRUPTION_MARK = "KV corruption"  # a digest that did not match, as decode words it
+# With aborts, decode's KV pool (tokens) unless given: a few of the longest prompts
+# fit, so under load a page freed is handed out again at once (first in, first out
+# reuse alone would hide a late write in a page nobody holds). Prefill keeps the
+# topology's: with both pools page-bound, prefill can fill with rooms decode has no
+# pages for while decode fills with rooms prefill has not computed, each side waiting
+# on the other until the bootstrap timeout (measured: 122 of 2,200 requests, no abort)
+ABORT_POOL_TOKENS = 2048
 
 
 def prompts_for(count: int, seed: int, vocab: int, max_len: int) -> list[list[int]]:
@@ -67,6 +84,24 @@ def served_shape(run: Run) -> tuple[int, int]:
     return min(vocab, default=500), min(context, default=512)
 
 
+def fences(run: Run) -> dict[str, int]:
+    """Rooms the servers fenced (held for their writers) and how each went back, summed
+    over the run's servers (`/get_server_info` `fence`)."""
+    total = {"released": 0, "writer_gone": 0, "unconfirmed": 0}
+    for state in run.states:
+        if state.plan.role not in ("prefill", "decode"):
+            continue
+        try:
+            info = ServerInfo.from_json(
+                httpx.get(f"{state.url}/get_server_info", timeout=10).json()
+            )
+        except (httpx.HTTPError, ValueError):
+            continue
+        for key in total:
+            total[key] += getattr(info.fence, key, 0) if info.fence is not None else 0
+    return total
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
@@ -88,6 +123,7 @@ def soak_one(
     seed: int,
     rss_limit_pct: float,
     progress: Callable[[str], None],
+    aborts: bool = False,
 ) -> dict[str, Any]:
     url = run.router_url
     vocab, context = served_shape(run)
@@ -125,25 +161,32 @@ def soak_one(
     if load.callback_error is not None:
         raise load.callback_error
     row: dict[str, Any] = {"requests": requests, "concurrency": concurrency, "vocab": vocab}
-    row.update(_answers(reference, load.outcomes, requests))
+    row.update(_answers(reference, load.outcomes, requests, aborts))
     row.update(_rates(load.outcomes, wall, new_tokens))
     pools_ok, held, rings_end = run.pools_back()
     row.update(pools_back=pools_ok, held=held, ring_wraps=_wraps(rings_start, rings_end))
+    row["fences"] = fences(run)
     row.update(_memory(samples, warmup, requests, rss_limit_pct))
     _add_trace(row["rss"], trace)
     row["passed"] = (
         row["failed"] == 0 and row["mismatches"] == 0 and pools_ok and not row["rss_problems"]
-    )
+    ) and (not aborts or row["aborted"] > 0)
     return row
 
 
 def _answers(
-    reference: list[tuple[list[int] | None, str | None]], outcomes: list[Outcome], requests: int
+    reference: list[tuple[list[int] | None, str | None]],
+    outcomes: list[Outcome],
+    requests: int,
+    aborts: bool = False,
 ) -> dict[str, Any]:
     """Failures (reference, load, never sent) and answers that differ from the reference
-    (only where the reference itself came back: a failed one is counted as failed)."""
+    (only where the reference itself came back: a failed one is counted as failed).
+    With `aborts`, a load request that ended aborted by the fault is counted apart."""
     failures = [e for _, e in reference if e is not None]
-    failures += [o.error for o in outcomes if o.error is not None]
+    errors = [o.error for o in outcomes if o.error is not None]
+    aborted = [e for e in errors if aborts and any(mark in e for mark in ABORT_MARKS)]
+    failures += [e for e in errors if e not in aborted]
     expected = [out for out, _ in reference]
     mismatched = [
         o for o in outcomes
@@ -152,8 +195,10 @@ def _answers(
     first = mismatched[0] if mismatched else None
     return {
         "completed": len(outcomes),
+        "aborted": len(aborted),
         "failed": len(failures) + (requests - len(outcomes)),
         "first_failure": failures[0] if failures else None,
+        "digest_mismatches": sum(CORRUPTION_MARK in e for e in failures),
         "mismatches": len(mismatched),
         "first_mismatch": None
         if first is None
@@ -218,19 +263,30 @@ def bench_soak(
     timeout: float = 120.0,
     rss_limit_pct: float = RSS_LIMIT_PCT,
     seed: int = 0,
+    abort_every: int | None = None,
+    decode_pool_tokens: int | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """The soak of each transport in turn; `warmup` defaults to a fifth of `requests`
-    (the 2,000th of 10,000)."""
+    (the 2,000th of 10,000). `abort_every` N: decode aborts one room in N mid-transfer
+    (`abort-transfer`, past the `unique` rooms of the reference pass), with a decode KV
+    pool of `decode_pool_tokens` (default ABORT_POOL_TOKENS with aborts, else the
+    topology's)."""
     base = load_file(topology).topology
     refuse_other_engines(base, "bench soak", "pdctl verify checks a vLLM or SGLang topology")
     warm = min(requests, warmup if warmup is not None else max(1, requests // 5))
+    if decode_pool_tokens is None and abort_every is not None:
+        decode_pool_tokens = ABORT_POOL_TOKENS
+    changes: dict[str, Any] = {"faults": abort_faults(abort_every, unique)}
+    if decode_pool_tokens is not None:
+        changes["roles"] = {"decode": {"kv_pool_tokens": decode_pool_tokens}}
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="pdctl-soak-") as scratch:
         for backend in backends:
             staging = {"pool_size_mb": pool_mb, "segment_size_mb": pool_mb / 4}
-            plan = make_plan(load_checked(variant(topology, backend, Path(scratch), staging)))
+            path = variant(topology, backend, Path(scratch), staging, changes)
+            plan = make_plan(load_checked(path))
             problems = unmet(plan.requirements)
             if problems:
                 skipped[backend] = "; ".join(problems)
@@ -241,7 +297,8 @@ def bench_soak(
                 row.update(
                     soak_one(run, requests=requests, concurrency=concurrency, unique=unique,
                              new_tokens=new_tokens, warmup=warm, timeout=timeout, seed=seed,
-                             rss_limit_pct=rss_limit_pct, progress=progress)
+                             rss_limit_pct=rss_limit_pct, progress=progress,
+                             aborts=abort_every is not None)
                 )  # fmt: skip
                 rows.append(row)
             progress(f"{backend}: {'PASS' if row['passed'] else 'FAIL'}")
@@ -253,7 +310,17 @@ def bench_soak(
         "pool_mb": pool_mb,
         "timeout_s": timeout,
         "rss_limit_pct": rss_limit_pct,
+        "abort_every": abort_every,
+        "decode_pool_tokens": decode_pool_tokens,
         "rows": rows,
         "skipped": skipped,
         "passed": bool(rows) and all(r["passed"] for r in rows),
     }
+
+
+def abort_faults(every: int | None, unique: int) -> list[dict[str, Any]]:
+    """The faults `--abort-every` adds: none, or `abort-transfer` sparing the rooms of
+    the reference pass (its answers must be the clean ones)."""
+    if every is None:
+        return []
+    return [{"name": "abort-transfer", "every": every, "after": unique}]

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import httpx
 
+ABORTED = "the server aborted the request (finish_reason abort)"
+
 
 @dataclass
 class Outcome:
@@ -29,7 +31,8 @@ class Outcome:
 def generate(
     client: httpx.Client, url: str, prompt: list[int], new_tokens: int, timeout: float
 ) -> tuple[list[int] | None, str | None]:
-    """One greedy /generate; (output ids, None) or (None, what went wrong)."""
+    """One greedy /generate; (output ids, None) or (None, what went wrong). An answer
+    the server aborted (`finish_reason` abort) is no output: (None, ABORTED)."""
     body = {
         "input_ids": prompt,
         "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
@@ -46,7 +49,15 @@ def generate(
         return None, f"a 200 without output_ids: {response.text[:300]}"
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
         return None, f"output_ids is not a list of ints: {str(ids)[:300]}"
+    if _finish_type(response.json()) == "abort":
+        return None, ABORTED
     return ids, None
+
+
+def _finish_type(answer: object) -> object:
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+    return finish.get("type") if isinstance(finish, dict) else None
 
 
 class Load:

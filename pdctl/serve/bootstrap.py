@@ -7,11 +7,21 @@ timeout, and a registration for an expired or finished room is refused (410), as
 is a second registration of the same rank (409) or one whose KV layout does not
 match this prefill server (400, e.g. a stale server with another page size).
 Every request must carry the per-run secret (`Authorization: Bearer ...`).
+
+Fencing: decode holds the memory of a room it gave up until prefill confirms that
+nothing of it can still be written. Prefill hands a room to its writers (its senders,
+an early write) only through `hand`, which refuses a closed room, and marks it
+`stopped` once every writer it handed it to ended; a room is `quiet` once it closed
+and was never handed (nothing will ever write it: a sender checks the room before
+each write) or stopped. Quiet never waits for a prompt still queued on prefill, so a
+fenced ring never waits on prefill's queue, which may itself wait on that ring.
+`/bootstrap/fence` closes decode's rooms and answers which are quiet.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +62,13 @@ class Room:
     result: dict[str, Any] | None = None
     closed: str | None = None  # "finished" or "failed: ..."
     sent: dict[int, dict[str, Any]] = field(default_factory=dict)  # prefill rank -> report
+    handed: bool = False  # given to prefill's writers (senders, an early write)
+    stopped: bool = False  # every writer it was handed to ended
+
+    @property
+    def quiet(self) -> bool:
+        """No prefill rank can write this room's memory on decode any more."""
+        return self.closed is not None and (not self.handed or self.stopped)
 
 
 class Rooms:
@@ -152,8 +169,40 @@ class Rooms:
             if item.closed is None:
                 item.closed = f"failed: {reason}"
                 item.created = time.monotonic()
+                # nothing reads a closed room's page lists (a sender checks the room
+                # first): its tombstone, and the other ranks' copy of it, keep none
+                item.registrations = {}
                 self._changed.notify_all()
         self._changed_room(room)
+
+    def hand(self, room: int) -> str | None:
+        """Prefill is about to hand `room` to its writers: marked so, unless the room
+        closed (then how: nothing may write it now)."""
+        with self._changed:
+            item = self._room(room)
+            if item.closed is None:
+                item.handed = True
+            return item.closed
+
+    def stopped(self, room: int) -> None:
+        """Every writer `room` was handed to ended (or its request ended first)."""
+        with self._changed:
+            self._room(room).stopped = True
+            self._changed.notify_all()
+
+    def fence(self, reasons: dict[int, str], timeout: float) -> list[int]:
+        """Decode gave these rooms up (room -> why): close each still open, then return
+        those quiet once any is (after `timeout`: those quiet then, maybe none)."""
+        for room, reason in reasons.items():
+            self.fail(room, reason)
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                quiet = [room for room in reasons if self._room(room).quiet]
+                remaining = deadline - time.monotonic()
+                if quiet or remaining <= 0:
+                    return quiet
+                self._changed.wait(min(remaining, 0.5))
 
     def close(self, room: int, how: str) -> None:
         with self._changed:
@@ -309,6 +358,24 @@ def add_room_routes(app: FastAPI, rooms: Rooms) -> None:
             raise BootstrapError(f"malformed failure report: {exc}", 400) from None
         rooms.fail(room, reason[:2000])
         return {"ok": True}
+
+    @app.post("/bootstrap/fence")
+    async def fence(request: HttpRequest) -> dict[str, Any]:
+        """Decode holds these rooms' memory: close them, answer which are quiet (every
+        prefill writer of theirs stopped), waiting up to `wait` s for one to be."""
+        try:
+            body = await json_object(request)
+            items = body.get("rooms")
+            if not isinstance(items, list) or not 0 < len(items) <= 4096:
+                raise ValueError("rooms must be a list of 1 to 4096 rooms")
+            reasons = {json_int(item, "room"): str(item.get("reason", ""))[:2000] for item in items}
+            wait = float(body.get("wait", 0.0))
+            if not math.isfinite(wait):
+                raise ValueError("wait must be a number of seconds")
+        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as exc:
+            raise BootstrapError(f"malformed fence: {exc}", 400) from None
+        quiet = await asyncio.to_thread(rooms.fence, reasons, min(max(wait, 0.0), 30.0))
+        return {"quiet": quiet}
 
     @app.post("/internal/sent")
     async def sent(request: HttpRequest) -> dict[str, Any]:

@@ -5,10 +5,14 @@ Off unless the launcher sets PDCTL_FAULTS (a JSON list, from the topology's
 its role: prefill `corrupt-kv` (flip a byte of a room's KV after the digests were
 taken) and `delay-transfer` (hold a room past decode's timeout), decode
 `drop-scatter` (skip a room's first scatter), any role `kill-role` (SIGKILL itself
-when a request arrives after `after` were accepted), and prefill and the colocated
-reference `perturb-prefix-hit` (another first token after every radix-cache hit).
-`every` picks every Nth room; the first `spare` rooms or requests (the launcher's
-canary) are never faulted.
+when a request arrives after `after` were accepted), prefill and the colocated
+reference `perturb-prefix-hit` (another first token after every radix-cache hit), and
+prefill and decode `abort-transfer` (decode aborts a room while prefill's write to it
+is in flight; the write lands `seconds` after decode gave up). `every` picks every Nth
+room; the first `spare` rooms or requests (the launcher's canary) are never faulted.
+`abort-transfer` picks rooms by id (every room whose id is a multiple of `every`, past
+the first `spare` + `after` rooms), so prefill and decode pick the same rooms without
+a word between them.
 
 The KV path draws a room's faults once, as a `RoomFaults`, and hands that object
 down; nothing on the hot path looks faults up by name.
@@ -21,11 +25,14 @@ import logging
 import os
 import signal
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("pdctl.serve")
 FAULTS_VAR = "PDCTL_FAULTS"
+LATE_WRITE_S = 0.1  # abort-transfer: how long after the abort the write lands, by default
+ROOMS_REMEMBERED = 4096  # abort-transfer: rooms whose pick is kept (each is counted once)
 
 
 class Faults:
@@ -33,6 +40,7 @@ class Faults:
         self.specs = {str(s["name"]): s for s in specs}
         self.counts: dict[str, int] = {}
         self.lock = threading.Lock()
+        self._aborts: OrderedDict[int, bool] = OrderedDict()  # room -> picked (abort-transfer)
         for name in self.specs:
             log.warning("fault injection is ON: %s", self.specs[name])
 
@@ -64,6 +72,25 @@ class Faults:
             log.warning("injecting fault %s (occurrence %d)", name, count)
             return spec
         return None
+
+    def aborts(self, room: int) -> dict[str, Any] | None:
+        """abort-transfer: the spec when `room` is one decode aborts mid-transfer (None
+        otherwise). Each room counts once, however often it is asked about; past the
+        first `spare` + `after` rooms, a room is picked when its id is a multiple of
+        `every` (the router draws ids at random: one room in `every`)."""
+        spec = self.specs.get("abort-transfer")
+        if spec is None:
+            return None
+        with self.lock:
+            picked = self._aborts.get(room)
+            if picked is None:
+                seen = self.counts["abort-transfer"] = self.counts.get("abort-transfer", 0) + 1
+                spared = int(spec.get("spare", 0)) + int(spec.get("after", 0))
+                picked = seen > spared and room % int(spec.get("every", 1)) == 0
+                self._aborts[room] = picked
+                if len(self._aborts) > ROOMS_REMEMBERED:
+                    self._aborts.popitem(last=False)
+        return spec if picked else None
 
     def perturbed_logits(self, logits: Any, cached_tokens: int) -> Any:
         """perturb-prefix-hit: a prompt computed on a radix-cache hit gets its two best
@@ -108,16 +135,23 @@ class RoomFaults:
     corrupt_kv: bool = False  # prefill: flip a byte of the first segment after its digests
     delay_s: float | None = None  # prefill: hold the room this long before sending
     drop_first_scatter: bool = False  # decode: skip the first segment's scatter
+    # prefill (abort-transfer): decode aborts this room mid-transfer; each write waits
+    # for the room to close, then lands this long after (it was in flight)
+    late_write_s: float | None = None
 
     @classmethod
-    def for_prefill(cls, hold_s: float, source: Faults | None = None) -> RoomFaults:
+    def for_prefill(
+        cls, hold_s: float, source: Faults | None = None, *, room: int | None = None
+    ) -> RoomFaults:
         """Prefill's draw, once the room's first decode rank registered; `hold_s` is the
         delay when `delay-transfer` names no `seconds` (past decode's timeout)."""
         found = source if source is not None else faults()
         corrupt = found.hit("corrupt-kv") is not None
         delay = found.hit("delay-transfer")
         delay_s = None if delay is None else float(delay.get("seconds") or hold_s)
-        return cls(corrupt_kv=corrupt, delay_s=delay_s)
+        aborted = None if room is None else found.aborts(room)
+        late_s = None if aborted is None else float(aborted.get("seconds") or LATE_WRITE_S)
+        return cls(corrupt_kv=corrupt, delay_s=delay_s, late_write_s=late_s)
 
     @classmethod
     def for_decode(cls, source: Faults | None = None) -> RoomFaults:

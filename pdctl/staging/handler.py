@@ -17,6 +17,15 @@ regions for the next segments, as far as the ring has space), `region_of`, `land
 `close_room`. The steps they are made of (`assign_region`, `check_digests`,
 `scatter`, `reap`) stay public for tests that drive one step at a time.
 
+Fencing. A room closed before every writer notified (the request aborted, a timeout,
+a bad digest, prefill failed) may still be written by prefill: the one-sided writes of
+NIXL, Mooncake and same-host copies land whatever decode does. `close_room(fence=True)`
+keeps the regions not yet landed assigned (`fenced`) until `release_fenced`, which the
+caller calls once every writer that could write them confirmed it stopped; a fenced
+region is live in the ring, so the watermark stops before it and nothing it overlays
+is handed out again (the ring may fill meanwhile). Regions landed are the writers'
+no more (each notified after its bytes) and are freed as usual.
+
 The handler owns its ring's regions and its lock; pages belong to the caller's KV
 pool. Handlers sharing one ring (one per prefill TP) must share one lock: the
 allocator is then guarded once. Pages are checked in place (`kernels.page_digests`).
@@ -126,6 +135,7 @@ class DecodeStagingHandler:
         self.lock = lock if lock is not None else threading.RLock()  # shared with the ring's
         self.scatter_stream = dev.create_device_stream(self.device)
         self.rooms: dict[int, RoomState] = {}
+        self.fenced: dict[int, list[Region]] = {}  # room -> regions a writer may still write
 
     # -- whole operations ------------------------------------------------------------
     def open_room(
@@ -203,17 +213,40 @@ class DecodeStagingHandler:
                 if region in state.regions and all(r != region for r, _ in state.pending):
                     self._free(state, region)  # never scattered (a mismatch, or a fault)
 
-    def close_room(self, room: int) -> Watermark:
-        """Forget the room and give back every region it holds (success or failure)."""
+    def close_room(self, room: int, *, fence: bool = False) -> Watermark:
+        """Forget the room and give back every region it holds (success or failure).
+
+        With `fence`, the regions not yet landed stay assigned until `release_fenced`
+        (see the module docstring); scatters in flight are drained either way."""
         with self.lock:
             state = self._state(room)
             if any(not done.query() for _, done in state.pending):
                 dev.synchronize_stream(self.scatter_stream)
-            for region in list(state.regions):
+            for region, _ in state.pending:  # landed: their writers are done with them
                 self._free(state, region)
             state.pending.clear()
+            if fence and state.regions:
+                self.fenced[room] = list(state.regions)
+            else:
+                for region in list(state.regions):
+                    self._free(state, region)
             del self.rooms[room]
             return self.ring.allocator.watermark
+
+    def release_fenced(self, room: int) -> int:
+        """Every writer of `room` stopped: its fenced regions go back to the ring.
+        Returns how many (0 for a room not fenced)."""
+        with self.lock:
+            regions = self.fenced.pop(room, [])
+            for region in regions:
+                self.ring.allocator.free(region)
+            return len(regions)
+
+    @property
+    def num_fenced(self) -> int:
+        """Regions fenced now (assigned in the ring, waiting for their writers)."""
+        with self.lock:
+            return sum(len(regions) for regions in self.fenced.values())
 
     def check_pages(
         self, pages: PageIndices, plan: Sequence[Segment], expected: Digests

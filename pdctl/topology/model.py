@@ -116,6 +116,13 @@ class RoleSpec(Strict):
         default_factory=list, description="Extra engine arguments appended to the command."
     )
     port: Port | None = Field(None, description="Fixed HTTP port; allocated at launch if unset.")
+    kv_pool_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="This role's KV pool in tokens per server, where it differs from "
+        "serving.kv_pool_tokens (e.g. a decode pool so small that a freed page goes out "
+        "again at once); embedded engine only.",
+    )
     share_devices: bool = Field(
         False,
         description="Let ranks of this role share a device (devices may repeat, e.g. [0, 0]); "
@@ -312,6 +319,7 @@ FaultName = Literal[
     "kill-role",
     "corrupt-embedding",
     "perturb-prefix-hit",
+    "abort-transfer",
 ]
 FAULT_NAMES: tuple[str, ...] = FaultName.__args__  # type: ignore[attr-defined]
 
@@ -330,17 +338,32 @@ class FaultSpec(Strict):
         "kill-role: a role dies after some requests; corrupt-embedding: encoder only; "
         "perturb-prefix-hit: every server computing a prompt on a radix-cache hit picks its "
         "second-best first token (an engine not invariant to a prefix hit: the colocated "
-        "reference has it too, so it is engine numerics, not PD)."
+        "reference has it too, so it is engine numerics, not PD); abort-transfer: decode "
+        "aborts a room (as a client gone, or as a failed receive) while prefill's write "
+        "to it is in flight, and the write lands after decode gave up."
     )
-    every: int = Field(1, ge=1, le=1_000_000, description="Every Nth transfer (1: all).")
+    every: int = Field(
+        1,
+        ge=1,
+        le=1_000_000,
+        description="Every Nth transfer (1: all); abort-transfer: one room in N, by its id.",
+    )
     after: int = Field(
-        3, ge=0, le=1_000_000, description="kill-role: die once this many requests finished."
+        3,
+        ge=0,
+        le=1_000_000,
+        description="kill-role: die once this many requests finished; abort-transfer: "
+        "abort no room among the first this many.",
     )
     role: Literal["prefill", "decode", "encoder", "router"] = Field(
         "decode", description="kill-role: which role dies."
     )
     seconds: float | None = Field(
-        None, gt=0, le=3600, description="delay-transfer: how long (default: past the timeout)."
+        None,
+        gt=0,
+        le=3600,
+        description="delay-transfer: how long (default: past the timeout); "
+        "abort-transfer: how long after the abort the write lands (default 0.1).",
     )
 
 

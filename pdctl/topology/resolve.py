@@ -194,6 +194,7 @@ FAULT_ROLES: dict[str, tuple[str, ...]] = {
     "drop-scatter": ("decode",),
     "corrupt-embedding": ("encoder",),
     "perturb-prefix-hit": ("prefill", "colocated"),
+    "abort-transfer": ("prefill", "decode"),
 }
 
 

@@ -235,12 +235,24 @@ def check_serving(topology: Topology, context: RuleContext) -> Iterator[Issue]:
             "applies to engines sglang and vllm; pdctl's servers take the model's positions",
             "remove serving.max_model_len",
         )
-    pool = serving.kv_pool_tokens
-    if pool is not None and pool < serving.chunked_prefill_tokens:
-        yield Issue(
-            ("serving", "kv_pool_tokens"),
-            f"{pool} tokens cannot hold one prefill chunk of {serving.chunked_prefill_tokens}",
-        )
+    pools: list[tuple[tuple[str, ...], int | None]] = [
+        (("serving", "kv_pool_tokens"), serving.kv_pool_tokens)
+    ]
+    pools += [
+        (("roles", name, "kv_pool_tokens"), r.kv_pool_tokens) for name, r in topology.roles.items()
+    ]
+    for where, pool in pools:
+        if pool is not None and pool < serving.chunked_prefill_tokens:
+            yield Issue(
+                where,
+                f"{pool} tokens cannot hold one prefill chunk of {serving.chunked_prefill_tokens}",
+            )
+        if pool is not None and where[0] == "roles" and topology.engine != "embedded":
+            yield Issue(
+                where,
+                f"applies to pdctl's servers (engine embedded), not {topology.engine}",
+                "set serving.kv_pool_tokens: every role of this engine takes it",
+            )
 
 
 def check_staging_fits(topology: Topology, context: RuleContext) -> Iterator[Issue]:

@@ -12,8 +12,11 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from pdctl.cli.app import app
 from pdctl.launch.processes import group_alive
+from pdctl.launch.run import Run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -130,3 +133,68 @@ def test_ctrl_c_mid_soak_tears_the_topology_down(tmp_path) -> None:
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+@pytest.fixture
+def stopped_groups(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The process groups of every run the soak stopped (each checked gone after)."""
+    groups: list[int] = []
+    stop = Run.stop
+
+    def recording(self: Run, grace: float = 5.0) -> list[str]:
+        groups.extend(s.spawned.pid for s in self.states if s.spawned is not None)
+        left = stop(self, grace)
+        assert left == [], left
+        return left
+
+    monkeypatch.setattr(Run, "stop", recording)
+    return groups
+
+
+def _nothing_left_running(groups: list[int], runs: int) -> None:
+    assert len(groups) == 3 * runs  # prefill, decode, router (TP ranks in their groups)
+    assert not any(group_alive(pgid) for pgid in groups)
+
+
+def _abort_row_is_clean(row: dict) -> None:
+    """Aborted requests really were aborted; every other one is exact, no digest failed
+    (a late write into memory someone else now holds), every pool came back, and the
+    fences that held memory meanwhile were all released on prefill's word."""
+    figures = json.dumps({k: v for k, v in row.items() if k not in ("rss",)})
+    assert row["aborted"] >= 20, figures
+    assert row["failed"] == 0 and row["digest_mismatches"] == 0, figures
+    assert row["mismatches"] == 0, figures
+    assert row["completed"] == row["requests"] and row["pools_back"], figures
+    assert row["fences"]["released"] > 0 and row["fences"]["unconfirmed"] == 0, figures
+
+
+def test_aborts_mid_transfer_poison_no_page(cli, stopped_groups: list[int]) -> None:
+    """Issue 36: decode aborts every other room while prefill's direct page write is in
+    flight (it lands after decode gave up), in a KV pool so small that a freed page is
+    handed out again at once. Without a fence the late write lands in another request's
+    pages: its tokens differ, or its digests do."""
+    result = soak(cli, str(REPO / "topologies/cpu-p2d2-tcp.yaml"), "--requests", "160",
+                  "--concurrency", "16", "--unique", "8", "--backends", "tcp",
+                  "--abort-every", "2", "--rss-limit-pct", "50")  # fmt: skip
+    report = json.loads(result.stdout)
+    assert report["abort_every"] == 2 and report["decode_pool_tokens"] == 2048
+    (row,) = report["rows"]
+    _abort_row_is_clean(row)
+    assert result.exit_code == 0, result.output
+    _nothing_left_running(stopped_groups, 1)
+
+
+def test_aborts_mid_transfer_poison_no_ring_region(cli, stopped_groups: list[int]) -> None:
+    """The same through the staging ring (prefill TP1, decode TP2) on every transport:
+    a late write into a region the ring handed to another room fails that room's
+    digests, unless the region waits until its writer stopped."""
+    result = soak(cli, "--requests", "120", "--concurrency", "16", "--unique", "8",
+                  "--backends", "tcp,mooncake,nixl", "--pool-mb", "0.25",
+                  "--abort-every", "2", "--rss-limit-pct", "50")  # fmt: skip
+    report = json.loads(result.stdout)
+    assert report["skipped"] == {}
+    assert [row["transport"] for row in report["rows"]] == ["tcp", "mooncake", "nixl"]
+    for row in report["rows"]:
+        _abort_row_is_clean(row)
+    assert result.exit_code == 0, result.output
+    _nothing_left_running(stopped_groups, 3)

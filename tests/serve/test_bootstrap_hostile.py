@@ -130,3 +130,12 @@ def test_replays_other_layouts_and_closed_rooms(client: TestClient) -> None:
     segments = {"room": 99, "decode_rank": 0, "segments": []}
     unknown = client.post("/bootstrap/segments", json=segments, headers=AUTH)
     assert unknown.status_code == 410
+
+
+def test_a_peer_address_no_url_can_carry_is_a_peer_error_not_a_crash() -> None:
+    """A control character in a bootstrap host raised httpx.InvalidURL past the receive
+    thread's handlers, which then never reported the room: its request waited forever."""
+    from pdctl.serve.pd.client import Client, PeerCallError
+
+    with pytest.raises(PeerCallError, match="is no address"):
+        Client("http://\x12:1", "prefill bootstrap", 1.0).call("GET", "/bootstrap/info")

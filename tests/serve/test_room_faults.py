@@ -36,3 +36,19 @@ def test_decode_draws_the_dropped_scatter_per_room() -> None:
     rooms = [RoomFaults.for_decode(source) for _ in range(6)]
     assert [r.drop_first_scatter for r in rooms] == [False, False, True, False, False, True]
     assert not any(r.corrupt_kv or r.delay_s is not None for r in rooms)
+
+
+def test_abort_transfer_picks_the_same_rooms_on_both_sides() -> None:
+    """By id: past the first `spare` + `after` rooms, those whose id is a multiple of
+    `every`; each room counts once however often it is asked about, so prefill (which
+    may draw a room's faults more than once) and decode agree."""
+    spec = {"name": "abort-transfer", "every": 3, "after": 2, "spare": 1}
+    prefill, decode = Faults([spec]), Faults([{**spec, "seconds": 0.25}])
+    rooms = [9, 12, 30, 31, 33, 34, 36]  # the first three are spared
+    picked = [r for r in rooms if decode.aborts(r) is not None]
+    assert picked == [33, 36]
+    late = [RoomFaults.for_prefill(8.0, prefill, room=r).late_write_s for r in rooms + rooms]
+    assert late == [None, None, None, None, 0.1, None, 0.1] * 2  # default: 0.1 s
+    assert RoomFaults.for_prefill(8.0, decode, room=33).late_write_s == 0.25
+    assert RoomFaults.for_prefill(8.0, prefill) == RoomFaults()  # no room: no pick
+    assert Faults([]).aborts(33) is None

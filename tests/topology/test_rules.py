@@ -307,3 +307,24 @@ def test_yaml_merge_keys_and_overrides_are_supported(tmp_path: Path) -> None:
     )
     topology = load_checked(path).topology
     assert topology.roles.decode.tp == 4 and topology.roles.decode.env == {"A": "1"}
+
+
+def test_a_role_may_have_a_kv_pool_of_its_own(make_topology) -> None:
+    """Decode's pool smaller than prefill's (the abort soak's layout): the role's value
+    goes on its servers' command lines, the topology's on the others'."""
+    path = make_topology(serving={"kv_pool_tokens": 8192},
+                         roles={"decode": {"tp": 2, "kv_pool_tokens": 2048}})  # fmt: skip
+    pools = {
+        p.role: c[c.index("--kv-pool-tokens") + 1]
+        for p in make_plan(load_checked(path)).processes
+        if "--kv-pool-tokens" in (c := render_command(p.command))
+    }
+    assert pools == {"prefill": "8192", "decode": "2048"}
+    small = make_topology(roles={"decode": {"tp": 2, "kv_pool_tokens": 256}})
+    assert messages(small) == ["roles.decode.kv_pool_tokens: 256 tokens cannot hold one "
+                               "prefill chunk of 512"]  # fmt: skip
+    sglang = make_topology(engine="sglang", model={"path": "Qwen/Qwen3-0.6B", "preset": REMOVE},
+                           transfer={"backend": "mooncake"},
+                           roles={"decode": {"tp": 2, "kv_pool_tokens": 4096}})  # fmt: skip
+    assert any("applies to pdctl's servers (engine embedded), not sglang" in m
+               for m in messages(sglang))  # fmt: skip

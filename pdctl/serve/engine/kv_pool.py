@@ -26,9 +26,10 @@ class PageAllocator:
     """Free pages, handed out in the order they were freed (lowest first at the start);
     freeing returns them.
 
-    A page just freed goes out last, after every other free page. A write to it that
-    arrives late (an aborted request's transfer that was already under way) then lands
-    in a page nobody holds, unless the pool is nearly full. Callers that free many
+    A page just freed goes out last, after every other free page. That is no fence: in a
+    pool nearly full it goes out again at once, so the pages of a request whose KV may
+    still be moving are not freed here until no writer can touch them (the scheduler's
+    `fence`, issue 36). Callers that free many
     pages at once give them in ascending order (`RadixCache.evict`), so the request
     that gets them next gets runs of consecutive pages, which a direct transfer sends
     as one range each (`staging.descriptors.page_runs`). Evicted pages used to come

@@ -65,6 +65,11 @@ class PDHooks(Protocol):
     def aborted(self, request: Request) -> None:
         """The request was aborted while its KV was moving."""
 
+    def fence(self, request: Request) -> None:
+        """The request ended while its KV may still be moving (aborted, or its receive
+        failed): its pages stay held (`Scheduler.fence`). Call `Engine.unfence(room)`
+        once no writer or reader of them can touch them any more."""
+
 
 @dataclass
 class Stats:
@@ -112,6 +117,11 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
+
+    def unfence(self, room: int) -> None:
+        """`room`'s fenced pages may go back (any thread; after the fence, always: the
+        scheduler thread fenced them before the hooks heard of it)."""
+        self._inbox.put(("unfence", room))
 
     def call(self, function: Callable[[], Any], timeout: float = 60.0) -> Any:
         """Run `function` on the scheduler thread (between forwards) and return its result."""
@@ -178,6 +188,8 @@ class Engine:
             self._abort(payload)
         elif kind == "transferred":
             self._transferred(*payload)
+        elif kind == "unfence":
+            self.scheduler.unfence(payload)
         elif kind == "forwarded":  # only wakes the wait in `_step`
             pass
         elif kind == "call":
@@ -219,10 +231,11 @@ class Engine:
     def _abort(self, rid: str) -> None:
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
             if request.rid == rid and request.phase is not Phase.DONE:
-                if request.phase in (Phase.TRANSFER, Phase.SENDING) and self.hooks is not None:
+                moving = request.phase in (Phase.TRANSFER, Phase.SENDING)
+                if moving and self.hooks is not None:
                     self.hooks.aborted(request)
                 request.aborted = True
-                self._finish(request, {"type": "abort"}, cache=False)
+                self._finish(request, {"type": "abort"}, cache=False, fence=moving)
                 if request in self.scheduler.waiting:
                     self.scheduler.waiting.remove(request)
 
@@ -340,9 +353,8 @@ class Engine:
         if request is None or request.phase is Phase.DONE:
             return  # aborted meanwhile
         request.kv_transfer = transfer
-        if error is not None:
-            request.phase = Phase.DONE
-            self.scheduler.release(request, cache=False)
+        if error is not None:  # decode: prefill may still write the pages (its ranks sent)
+            self._end(request, cache=False, fence=request.phase is Phase.TRANSFER)
             request.sink(Event(request.rid, error=error))
             return
         if request.phase is Phase.SENDING:  # prefill: done once every rank sent
@@ -357,14 +369,25 @@ class Engine:
         request.phase = Phase.DECODE
         self._emit(request, first)
 
-    def _finish(self, request: Request, reason: dict[str, Any], cache: bool = True) -> None:
-        request.phase = Phase.DONE
-        self.scheduler.release(request, cache=cache)
+    def _finish(
+        self, request: Request, reason: dict[str, Any], cache: bool = True, fence: bool = False
+    ) -> None:
+        self._end(request, cache, fence)
         if reason.get("type") == "abort":
             self.stats.aborted += 1
         else:
             self.stats.finished += 1
         request.sink(Event(request.rid, finish_reason=reason))
+
+    def _end(self, request: Request, cache: bool, fence: bool) -> None:
+        """The request is done: its pages go back, or are fenced while its KV may still
+        be moving (the hooks then unfence them once nothing can touch them)."""
+        request.phase = Phase.DONE
+        if fence and self.hooks is not None:
+            self.scheduler.fence(request)
+            self.hooks.fence(request)
+        else:
+            self.scheduler.release(request, cache=cache)
 
 
 def _last_pieces(batch: list[tuple[Request, Piece]]) -> list[Request]:

@@ -7,6 +7,12 @@ limit. A request is admitted only when every page it can ever need (prompt plus
 a running request never runs out of KV. A prefix-cache hit reuses whole pages and
 computes only the rest, but always at least the last prompt token (its logits).
 
+A PD request that ends while its KV may still be moving (aborted mid-transfer, a
+failed receive) is fenced instead of released (`fence`): its pages, prefix locks and
+slot stay held, out of the running set, until `unfence(room)`, called once no writer
+(decode) or reader (prefill) of those pages can still touch them. A fenced page is
+neither free nor handed out, so a late write lands in memory nobody else holds.
+
 Plain state and decisions; the engine runs the forward and delivers results.
 """
 
@@ -36,6 +42,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.receives_kv = False  # decode role: PD requests get their KV from prefill
         self.admitted_transfers: list[Request] = []  # admitted since the engine last looked
+        self.fenced: dict[int, Request] = {}  # room -> a request whose pages stay held
 
     @property
     def page_size(self) -> int:
@@ -155,6 +162,27 @@ class Scheduler:
         request.pages = []
         self.slots.free(request.slot)
         request.slot = None
+
+    def fence(self, request: Request) -> None:
+        """Take the request out of the running set, keeping its pages, locks and slot
+        until `unfence` (its room's KV may still be moving)."""
+        assert request.room is not None, "only a PD request's pages are fenced"
+        if request in self.running:
+            self.running.remove(request)
+        self.fenced[request.room] = request
+
+    def unfence(self, room: int) -> bool:
+        """No one can touch `room`'s pages any more: release them (never cached: their
+        KV is not known to be whole). False when the room was not fenced."""
+        request = self.fenced.pop(room, None)
+        if request is None:
+            return False
+        self.release(request, cache=False)
+        return True
+
+    @property
+    def num_fenced_pages(self) -> int:
+        return sum(len(request.pages) for request in list(self.fenced.values()))
 
     def prompt_pages(self, request: Request) -> list[int]:
         """Pages holding the request's prompt, in token order."""

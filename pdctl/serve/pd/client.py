@@ -15,11 +15,12 @@ log = logging.getLogger("pdctl.serve")
 
 
 class PeerCallError(RuntimeError):
-    """A call to another PD process failed; the message names it (status: the HTTP one)."""
+    """A call to another PD process failed; the message names it (status: the HTTP one;
+    refused: nothing listens there, the connection was refused)."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, refused: bool = False) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.refused = status, refused
 
 
 def run_secret() -> bytes:
@@ -67,11 +68,17 @@ class Client:
         while True:
             try:
                 response = self.http.request(method, f"{self.base_url}{path}", **kwargs)
+            except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:  # never reachable
+                message = f"{self.name} ({self.base_url!r}) is no address: {exc}"
+                raise PeerCallError(message) from None
             except httpx.TransportError as exc:
                 if retry_until is not None and time.monotonic() < retry_until:
                     time.sleep(0.05)
                     continue
-                raise PeerCallError(f"{self.name} ({self.base_url}) unreachable: {exc}") from None
+                refused = isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower()
+                raise PeerCallError(
+                    f"{self.name} ({self.base_url}) unreachable: {exc}", refused=refused
+                ) from None
             if response.status_code >= 400:
                 try:
                     detail = response.json().get("error", response.text)

@@ -7,7 +7,9 @@ has freed), register with prefill's bootstrap, then per segment wait for every
 writer's notification, land it (the handler checks the ring's digests, scatters
 after the room's event, checks the pages and frees the region) and offer the
 next. Direct: register the pages, wait, check the pages hold what was sent. Each
-outcome is reported with what went wrong and where.
+outcome is reported with what went wrong and where. A room given up before every
+writer notified keeps the ring regions it did not land, fenced (`fence.py`) until
+prefill confirms its senders of the room stopped.
 
 The staging handlers own the ring and its lock: this module
 speaks the protocol (offers become `SegmentRegion`s, notifications digests) and
@@ -20,9 +22,11 @@ import base64
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 from pdctl.serve.engine.kv_pool import KVPool
@@ -30,6 +34,7 @@ from pdctl.serve.faults import RoomFaults
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.bells import Bells
 from pdctl.serve.pd.client import Client, PeerCallError
+from pdctl.serve.pd.fence import Fence
 from pdctl.staging.allocator import Region
 from pdctl.staging.buffer import StagingRing, init_staging_allocator
 from pdctl.staging.descriptors import tensor_ptr
@@ -40,6 +45,7 @@ from pdctl.staging.transport import Transport, TransportError
 log = logging.getLogger("pdctl.serve")
 Report = Callable[[int, dict[str, Any]], None]
 BELL_SLICE_S = 0.005  # a doorbell wait's slice: messages (a writer that cannot ring) between
+MAX_ABORTED = 4096  # aborted rooms remembered (an abort may come before or after the receive)
 
 
 class ReceiveFailed(RuntimeError):
@@ -96,12 +102,15 @@ class KVReceiver:
         # the ring, so they share the lock that guards it.
         self.ring_lock = threading.RLock()
         self.handlers: dict[int, DecodeStagingHandler] = {}  # prefill TP -> handler
-        self.handlers_lock = threading.Lock()  # guards the dict, never a handler's work
+        self.handlers_lock = threading.Lock()  # guards the dicts (handlers, aborted), no work
         self.infos: dict[str, dict[str, Any]] = {}
         self.clients: dict[str, Client] = {}
         self.executor = ThreadPoolExecutor(4, thread_name_prefix=f"pdctl-recv-{rank}")
         self.heads_total = kv.k_buffers[0].shape[1]
-        self.aborted: set[int] = set()
+        self.aborted: OrderedDict[int, str] = OrderedDict()  # room -> why (the latest rooms)
+        # longer than any send of prefill can last (each of its waits is bounded by these)
+        bound_s = 2 * (bootstrap_timeout + transfer_timeout) + 10.0
+        self.fence = Fence(name, self.client, bound_s)
         self.bells = Bells.for_receiver(transport, kv, name)  # None: notifications only
 
     # -- helpers ---------------------------------------------------------------------
@@ -114,9 +123,9 @@ class KVReceiver:
 
     def prefill_info(self, address: str, deadline: float) -> dict[str, Any]:
         if address not in self.infos:
-            self.infos[address] = self.client(address).call(
-                "GET", "/bootstrap/info", retry_until=deadline
-            )
+            info = self.client(address).call("GET", "/bootstrap/info", retry_until=deadline)
+            self.fence.liveness.watch(address, info)
+            self.infos[address] = info
         return self.infos[address]
 
     def handler(self, prefill_tp: int, num_kv_heads: int) -> DecodeStagingHandler:
@@ -148,6 +157,7 @@ class KVReceiver:
     ) -> None:
         started = time.monotonic()
         try:
+            self._raise_if_aborted(room)  # given up while queued: nothing to register
             stats = self._receive(room, pages, num_tokens, bootstrap, ready)
             stats["transfer_ms"] = round((time.monotonic() - started) * 1e3, 3)
             self.report(room, {"rank": self.rank, "ok": True, **stats})
@@ -159,12 +169,19 @@ class KVReceiver:
             self._failed(room, bootstrap, f"{self.name}: {exc}")
 
     def _failed(self, room: int, bootstrap: str, error: str) -> None:
-        """Tell prefill to stop sending the room (best effort), then report."""
+        """Tell prefill to stop sending the room (best effort), fence the regions it may
+        still write, then report."""
         try:
             body = {"room": room, "reason": f"decode: {error}"}
             self.client(bootstrap).call("POST", "/bootstrap/fail", json=body, timeout=3.0)
         except PeerCallError as exc:
             log.info("room %s: could not tell prefill: %s", room, exc)
+        with self.handlers_lock:
+            holding = [h for h in self.handlers.values() if room in h.fenced]
+        for handler in holding:
+            self.fence.add(
+                room, bootstrap, f"decode: {error}", partial(handler.release_fenced, room)
+            )
         self.report(room, {"rank": self.rank, "ok": False, "error": error})
 
     def _receive(
@@ -214,8 +231,7 @@ class KVReceiver:
         """Wait until the ring frees a region for `segment` (other rooms' data drains)."""
         deadline = time.monotonic() + self.transfer_timeout
         while (region := handler.region_of(room, segment)) is None:
-            if room in self.aborted:
-                raise ReceiveFailed(f"{self.name}: room {room} was aborted")
+            self._raise_if_aborted(room)
             if time.monotonic() >= deadline:
                 raise ReceiveFailed(
                     f"{self.name}: no staging ring region freed for segment {segment.index} of "
@@ -238,6 +254,7 @@ class KVReceiver:
     ) -> dict[str, Any]:
         drop = RoomFaults.for_decode().drop_first_scatter  # fault injection, drawn once
         handler.open_room(room, pages, ready=ready, faults=LandFaults(skip_first_scatter=drop))
+        landed = False  # every segment: no writer has anything left to write here
         try:
             plan = plan_segments(
                 len(pages), self.kv.page_size, handler.layout.bytes_per_token(), self.segment_bytes
@@ -265,9 +282,10 @@ class KVReceiver:
                     raise self._corruption(room, mismatch, where)
                 total += region.size
                 self._offer_more(handler, room, plan, bootstrap)
+            landed = True
             return {"bytes": total, "segments": len(plan), "staging": True, "notice": "message"}
         finally:
-            handler.close_room(room)
+            handler.close_room(room, fence=not landed)  # `_failed` hands them to the fence
 
     def _corruption(self, room: int, mismatch: DigestMismatch, where: str) -> ReceiveFailed:
         return ReceiveFailed(
@@ -307,8 +325,7 @@ class KVReceiver:
                         f"{self.name}: prefill rank {piece.prefill_rank} ({bootstrap}) sent "
                         f"nothing for segment {segment} of room {room} within {wait:g} s"
                     )
-                if room in self.aborted:
-                    raise ReceiveFailed(f"{self.name}: room {room} was aborted")
+                self._raise_if_aborted(room)
                 if time.monotonic() >= check_at:
                     self._check_prefill(room, bootstrap)
                     check_at = time.monotonic() + 1.0
@@ -342,9 +359,17 @@ class KVReceiver:
         if closed and closed != "finished":
             raise ReceiveFailed(f"{self.name}: prefill {bootstrap} closed room {room}: {closed}")
 
-    def abort(self, room: int) -> None:
-        """Stop waiting for `room` (its request was aborted); its regions are released."""
-        self.aborted.add(room)
+    def abort(self, room: int, reason: str = "its request was aborted") -> None:
+        """Stop waiting for `room`; its regions are released. The first reason stays."""
+        with self.handlers_lock:
+            self.aborted.setdefault(room, reason)
+            while len(self.aborted) > MAX_ABORTED:
+                self.aborted.popitem(last=False)
+
+    def _raise_if_aborted(self, room: int) -> None:
+        reason = self.aborted.get(room)
+        if reason is not None:
+            raise ReceiveFailed(f"{self.name}: room {room} was aborted ({reason})")
 
     def _direct(
         self,

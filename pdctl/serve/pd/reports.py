@@ -122,6 +122,11 @@ class RankReports(Generic[Entry]):
         with self._lock:
             self._pending[room] = Pending(entry)
 
+    def waiting(self, room: int) -> bool:
+        """Whether `room` still waits for a rank's report."""
+        with self._lock:
+            return room in self._pending
+
     def add(self, room: int, report: RankReport) -> Pending[Entry] | None:
         """Record a rank's report; the room, taken out, once every rank reported (None
         before, and for a room nobody expects: it ended already)."""

@@ -135,11 +135,13 @@ class RoomMirror:
 class RoomWait:
     """What a sender waits for in a room: `ranks` decode ranks registered; with
     `decode_rank`, that rank registered; with `segment` too, that rank offered a ring
-    region for segment `segment`. `RoomWait()` holds at once."""
+    region for segment `segment`. `RoomWait()` holds at once; `RoomWait.closed()` never
+    (a wait on it ends when the room closes, or at its timeout)."""
 
     ranks: int = 0
     decode_rank: int | None = None
     segment: int | None = None
+    until_closed: bool = False
 
     @staticmethod
     def registered(decode_rank: int | None = None) -> RoomWait:
@@ -150,9 +152,13 @@ class RoomWait:
     def offered(decode_rank: int, segment: int) -> RoomWait:
         return RoomWait(decode_rank=decode_rank, segment=segment)
 
+    @staticmethod
+    def closed() -> RoomWait:
+        return RoomWait(until_closed=True)
+
     def holds(self, offered: Mapping[int, Iterable[int]]) -> bool:
         """Over decode rank -> the segment indices it offered."""
-        if len(offered) < self.ranks:
+        if self.until_closed or len(offered) < self.ranks:
             return False
         if self.decode_rank is None:
             return True

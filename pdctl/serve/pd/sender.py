@@ -87,6 +87,8 @@ class RoomJob:
     clock: SendClock = field(default_factory=SendClock)
     armed: dict[int, ArmedWrite] = field(default_factory=dict)  # decode rank -> to fire
     early: dict[int, StartedWrite] = field(default_factory=dict)  # decode rank -> started
+    forgotten: bool = False  # the room ended first: nothing armed fires any more
+    lock: threading.Lock = field(default_factory=threading.Lock)  # fire against forget
 
 
 class KVSender:
@@ -169,8 +171,21 @@ class KVSender:
         self.executor.submit(self._run, room, pages, num_tokens, ready, job)
 
     def forget(self, room: int) -> None:
-        """`room` ended before `send` (aborted): its prepared job is dropped."""
-        self._prepared.pop(room, None)
+        """`room` ended before `send` (aborted): its prepared job is dropped, and a write
+        it launched already is waited for (decode's memory stays fenced until then)."""
+        job = self._prepared.pop(room, None)
+        if job is not None:
+            with job.lock:
+                job.forgotten = True
+            self._settle(room, job)
+
+    def _settle(self, room: int, job: RoomJob | None) -> None:
+        """Every early write of the job has landed (before the room is reported ended)."""
+        for decode_rank, started in (job.early if job is not None else {}).items():
+            try:
+                started.ended.synchronize()
+            except Exception:
+                log.exception("room %s: decode rank %s: the mapped write", room, decode_rank)
 
     def _try_early(self, room: int, pages: list[int], *, fire: bool) -> RoomJob | None:
         try:
@@ -185,12 +200,13 @@ class KVSender:
     def _fire(self, room: int, job: RoomJob) -> None:
         """Launch the armed writes on this thread's stream (a failure leaves that decode
         rank to the worker, which writes it by descriptors)."""
-        for decode_rank, armed in list(job.armed.items()):
-            try:
-                job.early[decode_rank] = armed.fire()
-            except Exception:
-                log.exception("room %s: decode rank %s: the mapped write failed", room, decode_rank)
-        job.armed.clear()
+        with job.lock:
+            for decode_rank, armed in list(job.armed.items()) if not job.forgotten else []:
+                try:
+                    job.early[decode_rank] = armed.fire()
+                except Exception:
+                    log.exception("room %s: decode rank %s: the mapped write", room, decode_rank)
+            job.armed.clear()
 
     def _notify_landed(self, room: int, job: RoomJob, wait: bool = False) -> None:
         """Notify the early writes the stream has passed (wait: every one, once it
@@ -220,8 +236,8 @@ class KVSender:
             if reg is not None and reg.mode == "direct" and peer is not None:
                 ready.append((decode_rank, layout, writer, reg, peer))
         # decode registered: the room's faults are drawn now, once (the worker keeps them)
-        job = RoomJob(RoomFaults.for_prefill(self.bootstrap_timeout + self.transfer_timeout + 2))
-        if job.faults.corrupt_kv or job.faults.delay_s is not None:
+        job = RoomJob(self._draw_faults(room))
+        if job.faults != RoomFaults():
             return job  # faults go the worker's way
         for decode_rank, layout, writer, reg, peer in ready:
             try:
@@ -237,6 +253,16 @@ class KVSender:
             self._said_early = True
             log.info("room %s: KV writes start behind the forward (decode pool mapped)", room)
         return job
+
+    def _draw_faults(self, room: int) -> RoomFaults:
+        return RoomFaults.for_prefill(self.bootstrap_timeout + self.transfer_timeout + 2, room=room)
+
+    def _land_late(self, room: int, job: RoomJob) -> None:
+        """abort-transfer (fault injection): this write was in flight when decode gave
+        the room up; it lands `late_write_s` after the room closed (waited for, bounded)."""
+        if job.faults.late_write_s is not None:
+            self.snapshot(room, self.transfer_timeout, RoomWait.closed())
+            time.sleep(job.faults.late_write_s)
 
     def _targets(self, decode_tp: int) -> Iterator[tuple[int, StagingLayout, int]]:
         """(decode rank, its layout, this rank's writer index) for each decode rank this
@@ -274,9 +300,11 @@ class KVSender:
             self.report(room, {"rank": self.rank, "ok": True, **stats})
         except (SendFailed, TransportError, PeerCallError) as exc:
             log.warning("room %s: %s", room, exc)
+            self._settle(room, job)  # reported ended: nothing of it may still be landing
             self.report(room, {"rank": self.rank, "ok": False, "error": str(exc)})
         except Exception as exc:  # a bug must still fail the room, not hang it
             log.exception("room %s: send failed", room)
+            self._settle(room, job)
             self.report(
                 room, {"rank": self.rank, "ok": False, "error": f"prefill rank {self.rank}: {exc}"}
             )
@@ -328,9 +356,7 @@ class KVSender:
         deadline = time.monotonic() + self.bootstrap_timeout
         decode_tp = self._registration(room, None, deadline).decode_tp
         if job is None:
-            job = RoomJob(
-                RoomFaults.for_prefill(self.bootstrap_timeout + self.transfer_timeout + 2)
-            )
+            job = RoomJob(self._draw_faults(room))
         if job.faults.delay_s is not None:  # decode is waiting now; hold the room past it
             time.sleep(job.faults.delay_s)
         total, segments, busy = 0, 0, 0.0
@@ -425,6 +451,7 @@ class KVSender:
                 if job.faults.corrupt_kv and segment.index == 0:  # fault injection: after digests
                     buffer.view(0, nbytes)[nbytes // 2] ^= 0x5A
                 message = proto.notify_message(room, segment.index, self.rank, digests, nbytes)
+                self._land_late(room, job)
                 self.transport.write(peer, [buffer.ptr], [destination], [nbytes], notify=message)
             sent += nbytes
         return sent, len(plan), waited
@@ -460,5 +487,6 @@ class KVSender:
             len(pages), self.kv.page_size, layout.bytes_per_token(), reg.segment_bytes
         )
         write = RoomWrite(room, pages, reg, layout, writer, self._peer(reg))
+        self._land_late(room, job)
         sent = self.direct.write(write, plan, job.faults.corrupt_kv, job.clock)
         return sent, 0, 0.0

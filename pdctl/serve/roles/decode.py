@@ -5,19 +5,25 @@ written), then every rank records the room's ordering event and receives its KV
 (`KVReceiver`). When all ranks report, rank 0 fetches the first token prefill
 chose, and the request joins the decode batch. The response carries
 `meta_info.kv_transfer` {bytes, segments, staging, transport, digest_ok, transfer_ms}.
+
+A request that ends before its KV arrived (aborted, or its receive failed) keeps its
+pages (the engine fences them) until every rank reported the room and prefill
+confirmed its senders of it stopped (`pd/fence.py`): only then can no write land.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
-from pdctl.records import RingState
+from pdctl.records import FenceState, RingState
 from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.api.app import create_app
 from pdctl.serve.api.errors import BadRequest
@@ -26,7 +32,9 @@ from pdctl.serve.bootstrap import json_object
 from pdctl.serve.engine.loop import Engine
 from pdctl.serve.engine.request import Request
 from pdctl.serve.engine.sampling import TokenChoice
+from pdctl.serve.faults import faults
 from pdctl.serve.pd import protocol as proto
+from pdctl.serve.pd.abort_fault import AbortTransfers
 from pdctl.serve.pd.client import (
     Client,
     PeerCallError,
@@ -77,7 +85,11 @@ class DecodeHooks:
         self.engine: Engine | None = None
         self.pending: RankReports[tuple[str, str]] = RankReports(rank.args.tp)  # (rid, bootstrap)
         self.finisher = ThreadPoolExecutor(2, thread_name_prefix="pdctl-decode-result")
+        self.lock = threading.Lock()
+        self.fenced: dict[int, str] = {}  # room -> bootstrap: pages fenced, reports to come
         self.receiver = make_receiver(rank, self.report)
+        wanted = AbortTransfers.wanted(faults())  # fault injection, off unless asked for
+        self.aborts = AbortTransfers(faults(), self.receiver) if wanted else None
 
     def prepare(self, request: Request, pd: dict[str, Any]) -> None:
         room, host, port = (
@@ -111,6 +123,8 @@ class DecodeHooks:
         ready = dev.create_device_event(self.rank.device)  # right after the req_to_token row
         ready.record(dev.current_device_stream(self.rank.device))
         self.receiver.receive(request.room, pages, request.prompt_len, request.bootstrap, ready)
+        if self.aborts is not None:
+            self.aborts.admitted(self.engine, request.rid, request.room, request.bootstrap)
 
     def arm(self, request: Request) -> None:  # prefill's: decode writes no KV out
         return None
@@ -126,12 +140,35 @@ class DecodeHooks:
             return
         self.receiver.abort(request.room)
         if self.rank.group is not None:
-            self.rank.group.send(Op.ABORT, proto.json_tensor({"room": request.room}))
+            reason = self.receiver.aborted.get(request.room, "aborted")
+            message = {"room": request.room, "reason": reason}
+            self.rank.group.send(Op.ABORT, proto.json_tensor(message))
+
+    def fence(self, request: Request) -> None:
+        """The request ended before its KV arrived; its pages are held. Once every rank
+        reported the room (no scatter of it runs), they wait for prefill's senders."""
+        assert request.room is not None and request.bootstrap is not None
+        with self.lock:
+            if self.pending.waiting(request.room):
+                self.fenced[request.room] = request.bootstrap
+                return
+        self._fence_pages(request.room, request.bootstrap)
+
+    def _fence_pages(self, room: int, bootstrap: str) -> None:
+        assert self.engine is not None
+        reason = self.receiver.aborted.get(room, "the request ended before its KV arrived")
+        self.receiver.fence.add(
+            room, bootstrap, f"decode: {reason}", partial(self.engine.unfence, room)
+        )
 
     def report(self, room: int, report: dict[str, Any]) -> None:
         """A rank finished receiving `room` (this rank, or another through /internal/kv_ready)."""
         done = self.pending.add(room, RankReport.from_json(report))
         if done is not None:
+            with self.lock:
+                fenced = self.fenced.pop(room, None)
+            if fenced is not None:
+                self._fence_pages(room, fenced)
             self.finisher.submit(self._finish, room, done)
 
     def _finish(self, room: int, done: Pending[tuple[str, str]]) -> None:
@@ -197,7 +234,10 @@ def run(rank: Rank) -> None:
         vocab_size=rank.config.shape.vocab_size,
         max_context=rank.max_context,
         info=server_info(rank),
-        extra_info=lambda: {"staging_ring": ring_state(hooks.receiver)},
+        extra_info=lambda: {
+            "staging_ring": ring_state(hooks.receiver),
+            "fence": fence_state(hooks).to_json(),
+        },
         prepare=hooks.prepare,
     )
     serve(rank, context, [(create_app(context, internal_routes(hooks)), args.host, args.port)])
@@ -212,6 +252,23 @@ def ring_state(receiver: KVReceiver) -> dict[str, Any]:
         empty=allocator.is_empty,
         watermark=[watermark.round, watermark.tail],
     ).to_json()
+
+
+def fence_state(hooks: DecodeHooks) -> FenceState:
+    """Rank 0's fenced memory: the pages its engine holds, the regions of its ring."""
+    assert hooks.engine is not None
+    receiver, scheduler = hooks.receiver, hooks.engine.scheduler
+    with receiver.handlers_lock:
+        handlers = list(receiver.handlers.values())
+    rooms = set(scheduler.fenced) | receiver.fence.rooms()
+    for handler in handlers:
+        rooms |= set(handler.fenced)
+    counts = receiver.fence.counts
+    return FenceState(
+        rooms=len(rooms), pages=scheduler.num_fenced_pages,
+        regions=sum(handler.num_fenced for handler in handlers), released=counts["released"],
+        writer_gone=counts["writer_gone"], unconfirmed=counts["unconfirmed"],
+    )  # fmt: skip
 
 
 def run_worker(rank: Rank) -> None:
@@ -237,7 +294,8 @@ def run_worker(rank: Rank) -> None:
         )
 
     def on_abort(payload: Any) -> None:
-        receiver.abort(int(proto.tensor_json(payload)["room"]))
+        message = proto.tensor_json(payload)
+        receiver.abort(int(message["room"]), str(message.get("reason") or "aborted"))
 
     rank.group.handlers[Op.RECEIVE] = on_receive
     rank.group.handlers[Op.ABORT] = on_abort

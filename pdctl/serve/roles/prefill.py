@@ -3,7 +3,12 @@
 Requests must carry `bootstrap_room` (a PD router adds it). After the prompt is
 computed (a prefix-cache hit computes only the suffix; the whole KV is still
 sent), rank 0 publishes the first token for decode, tells every rank to send, and
-answers once every rank has reported; the room's pages stay locked until then.
+answers once every rank has reported; the room's pages stay locked until then, even
+when the request is aborted meanwhile (they are fenced: the senders still read them).
+A room goes to the senders (or an early write) only if it is still open
+(`Rooms.hand`); once every rank's sender of it ended, or its request ended first,
+it is marked stopped on the bootstrap endpoint, which is what decode's fence waits
+for before it hands the room's memory out again.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from pdctl.records import KVSent
+from pdctl.records import FenceState, KVSent, KVTransfer
 from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.api.app import create_app
 from pdctl.serve.api.errors import BadRequest
@@ -21,13 +26,14 @@ from pdctl.serve.api.submission import ServerContext
 from pdctl.serve.args import ServerArgs
 from pdctl.serve.bootstrap import BootstrapError, Rooms, bootstrap_app
 from pdctl.serve.engine.loop import Engine
-from pdctl.serve.engine.request import Request
+from pdctl.serve.engine.request import Event, Request
 from pdctl.serve.engine.sampling import TokenChoice
 from pdctl.serve.multimodal import PromptError, check_items, splices
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import Client, run_secret, warn_if_no_secret
 from pdctl.serve.pd.embeddings import EmbeddingError, EmbeddingReceiver
 from pdctl.serve.pd.endpoint import make_transport
+from pdctl.serve.pd.fence import process_identity
 from pdctl.serve.pd.reports import RankReport, RankReports, combine
 from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher, RoomWait
 from pdctl.serve.pd.sender import KVSender, Report, Snapshot
@@ -76,6 +82,9 @@ class PrefillHooks:
         self.sender = make_sender(rank, self._snapshot, self.report)
         self.embeddings: EmbeddingReceiver | None = None  # set by run(): every prefill takes them
         self.sent_totals = KVSent()  # what /get_server_info reports as kv_sent
+        self.backend = rank.args.transfer_backend
+        self.sending: set[int] = set()  # rooms handed to the senders, until their request ends
+        self.fenced: set[int] = set()  # rooms whose aborted request's pages wait for the senders
 
     def _snapshot(self, room: int, wait: float, condition: RoomWait) -> dict[str, Any]:
         return self.rooms.wait_for(room, condition, wait)
@@ -94,6 +103,26 @@ class PrefillHooks:
         except BootstrapError as exc:
             raise BadRequest(str(exc), "bootstrap_room", status=exc.status) from None
         request.room = int(room)
+        sink = request.sink
+
+        def watched(event: Event) -> None:  # however the request ends, the room hears it
+            if event.finish_reason is not None or event.error is not None:
+                self._ended(int(room))
+            sink(event)
+
+        request.sink = watched
+
+    def _ended(self, room: int) -> None:
+        """The prefill request of `room` ended. Unless its senders have it (they mark the
+        room stopped once they all reported), nothing will ever write the room: a write
+        launched early is waited for, the room closed (decode stops waiting at once)."""
+        with self.lock:
+            if room in self.sending:
+                self.sending.discard(room)
+                return
+        self.sender.forget(room)
+        self.rooms.fail(room, "prefill: the request ended before its KV was sent")
+        self.rooms.stopped(room)
 
     def _take_embeddings(self, request: Request, pd: dict[str, Any]) -> None:
         """An EPD request: splice the embeddings the encoder wrote into this prompt."""
@@ -112,6 +141,8 @@ class PrefillHooks:
 
     def arm(self, request: Request) -> Callable[[], None] | None:
         assert request.room is not None and self.engine is not None
+        if self.rooms.hand(request.room) is not None:  # closed: nothing may write it
+            return None
         return self.sender.arm(request.room, self.engine.scheduler.prompt_pages(request))
 
     def forwarded(self, request: Request) -> None:
@@ -121,6 +152,11 @@ class PrefillHooks:
     def prefilled(self, request: Request, choice: TokenChoice) -> None:
         assert request.room is not None and self.engine is not None
         room = request.room
+        closed = self.rooms.hand(room)
+        if closed is not None:  # decode gave it up: no rank sends it (nothing may write it)
+            error = f"prefill: room {room} closed before sending: {closed}"
+            self.engine.transferred(request.rid, error, KVTransfer(transport=self.backend))
+            return
         self.rooms.set_result(
             room,
             {
@@ -132,6 +168,8 @@ class PrefillHooks:
             },
         )
         pages = self.engine.scheduler.prompt_pages(request)
+        with self.lock:
+            self.sending.add(room)
         self.pending.expect(room, request.rid)
         message = {"room": room, "pages": pages, "num_tokens": request.prompt_len}
         if self.rank.group is not None:
@@ -148,17 +186,32 @@ class PrefillHooks:
             self.sender.forget(request.room)
             self.rooms.close(request.room, "failed: the prefill request was aborted")
 
+    def fence(self, request: Request) -> None:
+        """The request was aborted while its room is sent: its pages go back once every
+        rank's sender of it ended (they still read them)."""
+        assert request.room is not None and self.engine is not None
+        with self.lock:
+            if self.pending.waiting(request.room):
+                self.fenced.add(request.room)
+                return
+        self.engine.unfence(request.room)
+
     def report(self, room: int, report: dict[str, Any]) -> None:
         """A rank finished sending `room` (this rank, or another through /internal/sent)."""
         done = self.pending.add(room, RankReport.from_json(report))
         if done is None:
             return
         errors = done.errors
-        info = combine(list(done.reports.values()), self.rank.args.transfer_backend, "prefill")
+        info = combine(list(done.reports.values()), self.backend, "prefill")
         with self.lock:
             self.sent_totals.add(info, ok=not errors)
+            fenced = room in self.fenced
+            self.fenced.discard(room)
         self.rooms.close(room, "finished" if not errors else f"failed: {errors[0]}")
+        self.rooms.stopped(room)  # no rank of this server writes the room any more
         assert self.engine is not None
+        if fenced:
+            self.engine.unfence(room)
         self.engine.transferred(done.entry, f"prefill: {errors[0]}" if errors else None, info)
 
     def sent(self) -> dict[str, Any]:
@@ -197,6 +250,7 @@ def run(rank: Rank) -> None:
         max_context=rank.max_context,
         info=server_info(rank),
         extra_info=lambda: {
+            "fence": fence_state(engine).to_json(),
             "bootstrap_port": args.bootstrap_port,
             "open_rooms": rooms.open_rooms(),
             "kv_sent": hooks.sent(),
@@ -209,6 +263,7 @@ def run(rank: Rank) -> None:
         "num_kv_heads": rank.config.shape.num_kv_heads,
         "model": rank.model_name,
         **layout_of(rank),
+        **process_identity(),  # decode's fence knows this process's end when it sees it
     }
     apps = [
         (create_app(context), args.host, args.port),
@@ -219,6 +274,11 @@ def run(rank: Rank) -> None:
         ),
     ]
     serve(rank, context, apps, before_stop=publisher.close if publisher is not None else None)
+
+
+def fence_state(engine: Engine) -> FenceState:
+    """The pages of aborted requests held while their senders still read them."""
+    return FenceState(rooms=len(engine.scheduler.fenced), pages=engine.scheduler.num_fenced_pages)
 
 
 def run_worker(rank: Rank) -> None:
