@@ -33,6 +33,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 
 from pdctl.serve.api.guards import guard_json_depth, refuse_oversized
+from pdctl.serve.api.openapi import Document, JsonObject, Route, describe
 from pdctl.serve.pd.client import refuse_unless_authorized
 from pdctl.serve.pd.embeddings import EmbeddingError, EmbeddingReceiver
 from pdctl.serve.pd.protocol import (
@@ -293,7 +294,27 @@ def bootstrap_app(
     add_room_routes(app, rooms)
     if embeddings is not None:
         add_embedding_routes(app, embeddings)
+    describe(app, Document("pdctl bootstrap", ROUTES, authenticated=True))
     return app
+
+
+def _internal(*statuses: int, body: bool = True) -> Route:
+    """A bootstrap route: its errors `{"error": text}`, its body a JSON object it checks."""
+    return Route(statuses, internal=True, body=JsonObject if body else None)
+
+
+ROUTES = {
+    ("GET", "/bootstrap/info"): _internal(body=False),
+    ("POST", "/bootstrap/register"): _internal(409, 410),
+    ("POST", "/bootstrap/segments"): _internal(410),
+    ("GET", "/bootstrap/room/{room}"): _internal(body=False),
+    ("GET", "/bootstrap/result/{room}"): _internal(body=False),
+    ("POST", "/bootstrap/fail"): _internal(),
+    ("POST", "/bootstrap/fence"): _internal(),
+    ("POST", "/internal/sent"): _internal(),
+    ("POST", "/bootstrap/embedding/alloc"): _internal(409, 503),
+    ("POST", "/bootstrap/embedding/sent"): _internal(409, 410),
+}
 
 
 def add_registration_routes(app: FastAPI, rooms: Rooms) -> None:

@@ -132,36 +132,61 @@ def running_requests(url: str) -> float:
 
 
 def test_a_prefill_killed_mid_request_fails_it_naming_prefill(tmp_path: Path) -> None:
+    """Prefill is frozen while it holds requests, then killed: each request still inside
+    it fails with a 502 naming prefill (never a hang). One whose prefill leg was over
+    (answered, or decode already pulling its KV) may still succeed at decode.
+
+    Four long prompts keep prefill busy for seconds, so freezing it (SIGSTOP) the moment
+    its own metrics count a running request catches requests inside it; freezing first
+    and killing after makes "answered before the kill" a fact the test reads, not a race.
+    """
     plan = make_plan(load_checked(BUILTIN))
     run = Run(plan, tmp_path / "run")
-    answers: list[httpx.Response | Exception] = []
+    answers: dict[int, httpx.Response | Exception] = {}
     with run.serving():
         prefill = run.state("prefill-0")
-        body = {"prompt": [1 + i % 500 for i in range(2000)], "max_tokens": 64, "temperature": 0}
+        assert prefill.spawned is not None
 
-        def send() -> None:
+        def send(index: int) -> None:
+            body = {
+                "prompt": [1 + (i + index) % 500 for i in range(2000)],
+                "max_tokens": 16,
+                "temperature": 0,
+            }
             try:
-                answers.append(
-                    httpx.post(f"{run.router_url}/v1/completions", json=body, timeout=120)
+                answers[index] = httpx.post(
+                    f"{run.router_url}/v1/completions", json=body, timeout=120
                 )
             except httpx.HTTPError as exc:
-                answers.append(exc)
+                answers[index] = exc
 
-        sender = threading.Thread(target=send)
+        senders = [threading.Thread(target=send, args=(i,)) for i in range(4)]
         started = time.monotonic()
-        sender.start()
-        deadline = time.monotonic() + 10
+        for sender in senders:
+            sender.start()
+        deadline = time.monotonic() + 20
         while running_requests(prefill.url) < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert prefill.spawned is not None
+        os.killpg(prefill.spawned.pid, signal.SIGSTOP)
+        answered_before = set(answers)
         os.killpg(prefill.spawned.pid, signal.SIGKILL)
-        sender.join(timeout=60)
-        assert not sender.is_alive(), "the request hung after prefill died"
-        answer = answers[0]
-        assert isinstance(answer, httpx.Response), answer
-        assert answer.status_code == 502, answer.text
-        assert "prefill" in answer.json()["error"]["message"], answer.text
-        assert time.monotonic() - started < 60
+        for sender in senders:
+            sender.join(timeout=60)
+        assert not any(sender.is_alive() for sender in senders), "a request hung after prefill died"
+        held = sorted(set(range(4)) - answered_before)
+        assert held, "prefill answered every request before it was frozen"
+        failed = []
+        for index in held:
+            answer = answers[index]
+            assert isinstance(answer, httpx.Response), answer
+            if answer.status_code == 200:
+                continue  # prefill had handed it to decode, which finished it
+            assert answer.status_code == 502, answer.text[:400]
+            assert "prefill" in answer.json()["error"]["message"], answer.text[:400]
+            failed.append(index)
+        assert failed, "no request was inside prefill when it died"
+        assert time.monotonic() - started < 90
+        prefill.spawned.process.wait(timeout=30)  # a 3 GB process takes a moment to go
         with pytest.raises(LaunchFailed, match="prefill-0"):
             run.check_exits()
     pgids = [s.spawned.pid for s in run.states if s.spawned is not None]

@@ -21,9 +21,15 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from pdctl.serve.api.guards import MAX_BODY_BYTES
+
+
+class JsonObject(BaseModel):
+    """A JSON object the route reads and checks itself (pdctl's internal messages)."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 class ErrorDetail(BaseModel):
@@ -45,12 +51,16 @@ STATUSES: dict[int, str] = {
     "out of range or unknown, ids outside the vocabulary, longer than the context) or "
     "this server cannot serve it (a prefill or decode server serves PD requests only).",
     404: "No such model (or route) here.",
-    409: "A PD request's bootstrap_room is already taken by another request.",
+    409: "A PD request's bootstrap_room (or a decode rank's registration of it, an embedding "
+    "room) is already taken.",
+    410: "The room is closed (failed, aborted or done) or its embedding expired.",
     411: "A body sent chunked, without a Content-Length, is refused before it is read.",
-    413: f"A body larger than {MAX_BODY_BYTES} bytes is refused before it is read.",
+    413: f"A body larger than the server's limit ({MAX_BODY_BYTES} bytes; 4 MiB on the bootstrap "
+    "endpoint) is refused before it is read.",
     502: "A prefill or decode server behind the router failed the request (the message "
     "names the side and what it answered).",
-    503: "Not ready: the engine or a side of the topology has no healthy server.",
+    503: "Not ready: the engine or a side of the topology has no healthy server (or the "
+    "embedding pool is full: retry).",
     504: "No answer within the router's request timeout.",
 }
 BODY_STATUSES = (400, 411, 413)  # any route with a body: the guards'
@@ -69,7 +79,7 @@ class Route:
     text: bool = False  # its 200 is text/plain (Prometheus exposition)
     streams: bool = False  # its 200 is an event stream when the body says `stream: true`
     body: type[BaseModel] | None = None  # the body a route that reads it itself takes
-    internal: bool = False  # pdctl's own endpoints: errors are {"error": text}
+    internal: bool = False  # pdctl's own endpoints: errors are {"error": ...}
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,7 @@ class Document:
     title: str
     routes: Mapping[tuple[str, str], Route]
     answers_within_s: float | None = None  # the bound of every route's answer, if any
+    authenticated: bool = False  # every route wants the per-run secret (a 401 without it)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -122,6 +133,8 @@ def _complete(
         statuses |= set(BODY_STATUSES)
     if operation.get("parameters"):
         statuses.add(400)
+    if document.authenticated:
+        statuses.add(401)
     error = INTERNAL_ERROR if route.internal else {"$ref": "#/components/schemas/ErrorBody"}
     for status in sorted(statuses):
         responses[str(status)] = {
