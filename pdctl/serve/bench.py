@@ -152,7 +152,7 @@ def main() -> None:
     report = {
         "preset": args.preset, "device": str(device), "dtype": str(dtype),
         "cuda_graphs": graphs.describe(), "weight_bytes": nbytes,
-        "read_gbps": round(bandwidth, 1), "bound_ms": round(bound_ms, 3), "rows": rows,
+        "read_gbps": round(bandwidth, 3), "bound_ms": round(bound_ms, 3), "rows": rows,
     }  # fmt: skip
     if args.json:
         print(json.dumps(report))
