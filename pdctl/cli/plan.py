@@ -13,7 +13,7 @@ from rich.table import Table
 from pdctl import console
 from pdctl.cli.common import JsonOption, QuietOption, VerboseOption, options, report_issues
 from pdctl.engines import get_engine
-from pdctl.engines.base import render_command
+from pdctl.engines.command import render_command
 from pdctl.launch.plan import LaunchPlan, ProcessPlan, load_checked, make_plan
 from pdctl.topology.issues import TopologyError
 

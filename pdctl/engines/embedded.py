@@ -12,20 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from pdctl.engines.base import (
-    REFERENCE,
-    Arg,
-    Command,
-    Engine,
-    PortRef,
-    PortSlot,
-    ReferenceSpec,
-    base_slots,
-    command,
-    host_ref,
-    joined,
-    python,
-)
+from pdctl.engines.base import REFERENCE, Engine, ReferenceSpec, base_slots, python
+from pdctl.engines.command import Arg, Command, PortRef, PortSlot, command, host_ref, joined
 from pdctl.engines.probes import Probe, health, on_http
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import ServerLayout, role_spec

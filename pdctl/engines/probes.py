@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pdctl.engines.base import Arg, PortRef, PortSlot
+from pdctl.engines.command import Arg, PortRef, PortSlot
 
 
 @dataclass(frozen=True)

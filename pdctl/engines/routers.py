@@ -14,17 +14,8 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 
 from pdctl.engines import get_engine
-from pdctl.engines.base import (
-    Arg,
-    Command,
-    PortSlot,
-    command,
-    engine_python,
-    host_ref,
-    managed_flag_issues,
-    python,
-    url,
-)
+from pdctl.engines.base import engine_python, managed_flag_issues, python
+from pdctl.engines.command import Arg, Command, PortSlot, command, host_ref, url
 from pdctl.engines.probes import Probe, health
 from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology

@@ -14,18 +14,13 @@ from typing import ClassVar
 
 from pdctl.engines.base import (
     REFERENCE,
-    Arg,
-    Command,
     Engine,
-    PortRef,
-    PortSlot,
     ReferenceSpec,
     base_slots,
-    command,
     encoder_issues,
     engine_python,
-    host_ref,
 )
+from pdctl.engines.command import Arg, Command, PortRef, PortSlot, command, host_ref
 from pdctl.engines.probes import Probe, health, on_http
 from pdctl.engines.proof import SGLangProof
 from pdctl.topology.issues import Issue

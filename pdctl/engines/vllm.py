@@ -25,20 +25,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pdctl.engines.base import (
-    REFERENCE,
-    Arg,
-    Command,
-    Engine,
-    PortRef,
-    PortSlot,
-    Preparation,
-    ReferenceSpec,
-    command,
-    engine_python,
-    host_ref,
-    python,
-)
+from pdctl.engines.base import REFERENCE, Engine, Preparation, ReferenceSpec, engine_python, python
+from pdctl.engines.command import Arg, Command, PortRef, PortSlot, command, host_ref
 from pdctl.engines.dialect import CompletionsDialect
 from pdctl.engines.probes import Probe, health, on_http
 from pdctl.engines.proof import VLLMProof

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdctl.engines.base import WORKDIR
+from pdctl.engines.command import WORKDIR
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import EnvEntry, available_cores, cpu_placement, merged_user_env
 

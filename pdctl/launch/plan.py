@@ -14,13 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdctl.engines import get_engine
-from pdctl.engines.base import (
-    Command,
-    PortSlot,
-    Preparation,
-    render_command,
-    shell_line,
-)
+from pdctl.engines.base import Preparation
+from pdctl.engines.command import Command, PortSlot, render_command, shell_line
 from pdctl.engines.probes import Probe
 from pdctl.engines.routers import (
     ROUTER,

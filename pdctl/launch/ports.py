@@ -33,7 +33,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdctl.engines.base import PortSlot
+from pdctl.engines.command import PortSlot
 from pdctl.errors import LaunchError
 
 RESERVATION_S = 300.0

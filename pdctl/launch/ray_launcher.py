@@ -129,7 +129,7 @@ class ProcessHost:
         return {"ip": ip, "node_id": node_id, "hostname": socket.gethostname()}
 
     def reserve(self, slots: list[tuple[str, str, str, int | None]], host: str) -> dict[str, int]:
-        from pdctl.engines.base import PortSlot
+        from pdctl.engines.command import PortSlot
         from pdctl.launch.ports import allocate
 
         self.allocation = allocate([PortSlot(*slot) for slot in slots], host)

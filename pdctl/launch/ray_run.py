@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdctl.engines.base import render_command
+from pdctl.engines.command import render_command
 from pdctl.launch.listeners import Listener
 from pdctl.launch.plan import LaunchPlan
 from pdctl.launch.ray_launcher import RayPlacement, RemoteSpawned

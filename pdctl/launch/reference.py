@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from pdctl.engines import get_engine
-from pdctl.engines.base import render_command, render_value
+from pdctl.engines.command import render_command, render_value
 from pdctl.launch.loopback import confine
 from pdctl.launch.plan import ProcessPlan
 from pdctl.launch.ports import Allocation, allocate

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from pdctl.engines.base import render_command, render_value
+from pdctl.engines.command import render_command, render_value
 from pdctl.launch import state as run_state
 from pdctl.launch.forking import Starter, forks_by_default
 from pdctl.launch.listeners import Listener, listeners

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from pdctl.engines.base import engine_python, render_command, shell_line
+from pdctl.engines.base import engine_python
+from pdctl.engines.command import render_command, shell_line
 from pdctl.launch.plan import LaunchPlan, ProcessPlan, load_checked, make_plan
 from tests.conftest import REMOVE, REPO
 

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from pdctl.engines import get_engine
-from pdctl.engines.base import PortRef, render_command
+from pdctl.engines.command import PortRef, render_command
 from pdctl.engines.sglang import SUPPORTED
 from pdctl.launch.plan import LaunchPlan, ProcessPlan, load_checked, make_plan
 from tests.conftest import CATALOG, REMOVE

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from pdctl.engines import get_engine
-from pdctl.engines.base import PLACEHOLDER, PortSlot, render_command, render_value
+from pdctl.engines.command import PLACEHOLDER, PortSlot, render_command, render_value
 from pdctl.engines.proof import VLLMProof
 from pdctl.engines.vllm import SUPPORTED, preset_folder
 from pdctl.launch.plan import LaunchPlan, load_checked, make_plan

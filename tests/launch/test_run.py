@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdctl.engines.base import PortSlot
+from pdctl.engines.command import PortSlot
 from pdctl.launch import ports
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.ports import PortError, allocate
@@ -101,7 +101,7 @@ def test_concurrent_allocations_never_share_a_port() -> None:
 
 ALLOCATE = """
 import json, sys
-from pdctl.engines.base import PortSlot
+from pdctl.engines.command import PortSlot
 from pdctl.launch.ports import allocate
 got = allocate([PortSlot("p", f"s{i}", "test") for i in range(40)], "127.0.0.1")
 print(json.dumps(sorted(got.ports.values())), flush=True)

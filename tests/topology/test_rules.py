@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdctl.engines.base import render_command
+from pdctl.engines.command import render_command
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.topology import TopologyError
 from pdctl.topology.resolve import assign_devices, requirements

@@ -35,9 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from pdctl.serve.model import native_attention, ops
-from pdctl.serve.model.batch import QUERY_BLOCK, KeyTable
-
-KEY_BLOCK = 64
+from pdctl.serve.model.batch import KEY_BLOCK, QUERY_BLOCK, KeyTable
 
 
 def paged_attention(

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 QUERY_BLOCK = 16  # query positions per attention tile
+KEY_BLOCK = 64  # key positions per attention block (a multiple of QUERY_BLOCK)
 ALIGN = 16  # every table segment starts at a multiple of 16 elements (stable kernel specialisation)
 
 

@@ -37,8 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdctl.serve.model.attention import KEY_BLOCK
-from pdctl.serve.model.batch import QUERY_BLOCK, KeyTable
+from pdctl.serve.model.batch import KEY_BLOCK, QUERY_BLOCK, KeyTable
 
 NUM_WARPS, NUM_STAGES = 4, 2
 
