@@ -16,30 +16,7 @@ from pdctl.serve.ranks import (
     forks_ranks,
     spawn_ranks,
 )
-
-# KV transfer threads (prefill's senders, decode's receivers) run beside the engine's
-# loop, which holds the GIL between kernels; every torch call or socket write they make
-# gives the GIL up and waits for it again, by default up to 5 ms each (CPython's switch
-# interval). A PD server hands it over sooner, so a write is not ms of waiting in turn
-# (PDCTL_SWITCH_INTERVAL_US sets it, in microseconds; docs/benchmarks.md compares).
-TRANSFER_SWITCH_INTERVAL_S = 0.0005
-
-
-def switch_interval_s(environ: dict[str, str]) -> float:
-    """The PD servers' GIL switch interval: PDCTL_SWITCH_INTERVAL_US, else 500 us."""
-    text = environ.get("PDCTL_SWITCH_INTERVAL_US")
-    if text is None:
-        return TRANSFER_SWITCH_INTERVAL_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 1.0 <= value <= 1e6:
-        raise SystemExit(
-            f"PDCTL_SWITCH_INTERVAL_US={text!r}: give microseconds between 1 and 1000000"
-        )
-    return value / 1e6
-
+from pdctl.serve.settings import Handoff
 
 ROLES = {
     "colocated": "pdctl.serve.roles.colocated",
@@ -58,26 +35,28 @@ def main(argv: list[str]) -> None:
         return
     if args.role not in ROLES:
         raise SystemExit(f"role {args.role!r} is not served by this build")
-    forking = forks_ranks(args, dict(os.environ))
+    handoff = Handoff.from_environ(os.environ)
+    forking = forks_ranks(args)
     # On an accelerator the other TP ranks start now, importing torch beside this rank.
     children: list[RankProcess] = []
     if first_of_many(args) and not forking:
-        children = spawn_ranks(args.tp, argv, dict(os.environ))
-    schedule = os.environ.get("PDCTL_CUDA_SCHEDULE")
+        children = spawn_ranks(args.tp, argv, dict(os.environ), handoff)
+    schedule = args.settings.cuda_schedule
     if schedule and args.device.startswith("cuda"):  # before torch makes a context
         from pdctl.staging.held import set_schedule
 
         why = set_schedule(schedule)
         if why is not None:
-            raise SystemExit(f"PDCTL_CUDA_SCHEDULE={schedule}: {why}")
+            raise SystemExit(f"--cuda-schedule {schedule}: {why}")
     from pdctl.serve.model.weights import CheckpointError  # torch: not for the router
     from pdctl.serve.runtime import start_rank
 
     if args.role in ("prefill", "decode"):
-        sys.setswitchinterval(switch_interval_s(dict(os.environ)))
+        # KV threads beside the engine's loop wait for the GIL up to this long per call
+        sys.setswitchinterval(args.settings.switch_interval_us / 1e6)
     role = importlib.import_module(ROLES[args.role])
     if forking:  # on the CPU: forked now, the imports done once for every rank
-        rank_number, children = fork_ranks(args.tp, dict(os.environ))
+        rank_number, children = fork_ranks(args.tp, handoff)
         if rank_number:
             argv = [*argv, "--tp-rank", str(rank_number)]
             args = parse(argv)

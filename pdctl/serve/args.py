@@ -1,16 +1,16 @@
 """Command-line arguments of `python -m pdctl.serve` (what `pdctl plan` prints).
 
 Every flag maps to a topology key (see `pdctl.engines.embedded`); the server reads
-them once here into a frozen `ServerArgs`. `--cuda-graphs` is the server's own switch
-(on by default; off with `--no-cuda-graphs` or `PDCTL_CUDA_GRAPHS=0` in its environment).
+them once here into a frozen `ServerArgs`; the server's tunables are the rows of
+`serve/settings.py`, parsed here into `ServerArgs.settings`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from pdctl.serve.settings import ServeSettings, add_arguments, from_namespace
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class ServerArgs:
     deterministic: bool = True  # fixed-order kernels (ops.py); False: the vendor fast path
     rank_devices: tuple[int, ...] = ()  # each rank's index in the device mask; () = its rank
     cuda_graphs: bool = True  # decode steps as CUDA graphs (model/graphs.py) where they can be
+    settings: ServeSettings = field(default_factory=ServeSettings)
 
     @property
     def shares_devices(self) -> bool:
@@ -94,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-        help="decode steps as CUDA graphs on CUDA at TP 1 (also off with PDCTL_CUDA_GRAPHS=0)",
+        help="decode steps as CUDA graphs on CUDA at TP 1",
     )  # fmt: skip
     p.add_argument("--rank-devices", default="", help="each rank's device index, e.g. 0,0")
     p.add_argument("--transfer-backend", default="tcp", choices=["tcp", "mooncake", "nixl"])
@@ -123,6 +124,7 @@ def parser() -> argparse.ArgumentParser:
         "kv_transfer_params through prefill then decode",
     )  # fmt: skip
     p.add_argument("--embedding-pool-mb", type=float, default=16.0)
+    add_arguments(p)
     return p
 
 
@@ -153,20 +155,8 @@ def parse(argv: list[str]) -> ServerArgs:
         encoder=tuple(a.encoder), request_timeout=a.request_timeout, pd_flow=a.pd_flow,
         embedding_pool_mb=a.embedding_pool_mb, deterministic=a.deterministic,
         rank_devices=_rank_devices(p, a.rank_devices, a.tp),
-        cuda_graphs=_switch(p, GRAPHS_VARIABLE, os.environ) and a.cuda_graphs,
+        cuda_graphs=a.cuda_graphs, settings=from_namespace(a),
     )  # fmt: skip
-
-
-GRAPHS_VARIABLE = "PDCTL_CUDA_GRAPHS"
-SWITCH_VALUES = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
-
-
-def _switch(p: argparse.ArgumentParser, name: str, environ: Mapping[str, str]) -> bool:
-    """An on/off environment variable (unset: on); any other value is an error."""
-    value = environ.get(name, "1")
-    if value.strip().lower() not in SWITCH_VALUES:
-        p.error(f"{name} takes 0 or 1 (or true/false, on/off), got {value!r}")
-    return SWITCH_VALUES[value.strip().lower()]
 
 
 def _rank_devices(p: argparse.ArgumentParser, text: str, tp: int) -> tuple[int, ...]:

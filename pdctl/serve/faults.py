@@ -1,6 +1,6 @@
 """Faults injected on purpose, so that `pdctl verify` is proven to catch them.
 
-Off unless the launcher sets PDCTL_FAULTS (a JSON list, from the topology's
+Off unless the launcher hands faults over (a JSON list, from the topology's
 `faults:` or `pdctl verify --inject`). Each server reads only the faults meant for
 its role: prefill `corrupt-kv` (flip a byte of a room's KV after the digests were
 taken) and `delay-transfer` (hold a room past decode's timeout), decode
@@ -29,8 +29,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from pdctl.serve.settings import Handoff
+from pdctl.settings import FAULTS_VAR
+
 log = logging.getLogger("pdctl.serve")
-FAULTS_VAR = "PDCTL_FAULTS"
 LATE_WRITE_S = 0.1  # abort-transfer: how long after the abort the write lands, by default
 ROOMS_REMEMBERED = 4096  # abort-transfer: rooms whose pick is kept (each is counted once)
 
@@ -45,8 +47,8 @@ class Faults:
             log.warning("fault injection is ON: %s", self.specs[name])
 
     @classmethod
-    def from_env(cls) -> Faults:
-        raw = os.environ.get(FAULTS_VAR, "")
+    def from_json(cls, raw: str) -> Faults:
+        """The faults the launcher handed over (`Handoff.faults`, a JSON list)."""
         if not raw:
             return cls([])
         try:
@@ -124,7 +126,7 @@ def faults() -> Faults:
     """This process's faults (read once from the environment)."""
     global _faults
     if _faults is None:
-        _faults = Faults.from_env()
+        _faults = Faults.from_json(Handoff.from_environ(os.environ).faults)
     return _faults
 
 

@@ -6,7 +6,7 @@ child forked after its parent touched the device driver could not use the device
 On the CPU rank 0 forks them once the server's modules are imported
 (`fork_ranks`): a rank then starts in milliseconds instead of repeating about 1.5 s
 of imports, CPU time the ranks of a small host would otherwise spend in turn
-(PDCTL_FORK_RANKS=0 spawns them there too).
+(`--no-fork-ranks` spawns them there too).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from pdctl.serve.args import ServerArgs
+    from pdctl.serve.settings import Handoff
 
 
 class RankProcess(Protocol):
@@ -42,13 +43,13 @@ def first_of_many(args: ServerArgs) -> bool:
     return args.tp > 1 and args.tp_rank == 0
 
 
-def forks_ranks(args: ServerArgs, environ: dict[str, str]) -> bool:
+def forks_ranks(args: ServerArgs) -> bool:
     """Whether rank 0 forks its other ranks after its imports (the CPU) rather than
-    spawning them before (an accelerator, or PDCTL_FORK_RANKS=0)."""
+    spawning them before (an accelerator, or `--no-fork-ranks`)."""
     return (
         first_of_many(args)
         and args.device == "cpu"
-        and environ.get("PDCTL_FORK_RANKS", "1") != "0"
+        and args.settings.fork_ranks
         and hasattr(os, "fork")
     )
 
@@ -58,10 +59,11 @@ def die_with_parent() -> None:  # in a child, after fork (and before exec, if an
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _rank_log(env: dict[str, str], rank: int) -> str | None:
-    """Under the launcher (PDCTL_LOG_DIR and PDCTL_PROCESS_NAME set) a rank's own log."""
-    log_dir, name = env.get("PDCTL_LOG_DIR"), env.get("PDCTL_PROCESS_NAME")
-    return f"{log_dir}/{name}-tp{rank}.log" if log_dir and name else None
+def _rank_log(handoff: Handoff, rank: int) -> str | None:
+    """Under the launcher (a run directory and a process name handed over) a rank's log."""
+    if not handoff.launched:
+        return None
+    return f"{handoff.log_dir}/{handoff.process_name}-tp{rank}.log"
 
 
 class ForkedRank:
@@ -99,7 +101,7 @@ class ForkedRank:
             os.kill(self.pid, sig)
 
 
-def fork_ranks(world: int, env: dict[str, str]) -> tuple[int, list[RankProcess]]:
+def fork_ranks(world: int, handoff: Handoff) -> tuple[int, list[RankProcess]]:
     """Rank 0 forks ranks 1..world-1 (they die with it); returns this process's rank
     and, in rank 0, its children. Under the launcher each rank writes its own log,
     `<process>-tp<rank>.log`, as spawned ranks do."""
@@ -108,7 +110,7 @@ def fork_ranks(world: int, env: dict[str, str]) -> tuple[int, list[RankProcess]]
     parent = os.getpid()
     children: list[RankProcess] = []
     for rank in range(1, world):
-        log = _rank_log(env, rank)
+        log = _rank_log(handoff, rank)
         pid = os.fork()
         if pid == 0:
             try:
@@ -127,15 +129,16 @@ def fork_ranks(world: int, env: dict[str, str]) -> tuple[int, list[RankProcess]]
     return 0, children
 
 
-def spawn_ranks(world: int, argv: list[str], env: dict[str, str]) -> list[RankProcess]:
-    """Rank 0 starts ranks 1..world-1 in its own process group; they die with it.
-
-    Under the launcher (PDCTL_LOG_DIR and PDCTL_PROCESS_NAME set) each rank writes
-    its own log, `<process>-tp<rank>.log`; otherwise ranks share rank 0's output.
+def spawn_ranks(
+    world: int, argv: list[str], env: dict[str, str], handoff: Handoff
+) -> list[RankProcess]:
+    """Rank 0 starts ranks 1..world-1 (environment `env`) in its own process group; they
+    die with it. Under the launcher each rank writes its own log,
+    `<process>-tp<rank>.log`; otherwise ranks share rank 0's output.
     """
     children: list[RankProcess] = []
     for rank in range(1, world):
-        path = _rank_log(env, rank)
+        path = _rank_log(handoff, rank)
         log = open(path, "ab") if path is not None else None  # noqa: SIM115
         try:
             children.append(

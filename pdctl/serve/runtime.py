@@ -27,7 +27,7 @@ from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.args import ServerArgs
 from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.http import set_identity
-from pdctl.serve.model import ops
+from pdctl.serve.model import native_attention, ops
 from pdctl.serve.model.graphs import DecodeGraphs
 from pdctl.serve.model.runner import ModelRunner
 from pdctl.serve.model.weights import (
@@ -42,6 +42,7 @@ from pdctl.serve.model.weights import (
     preset_source,
 )
 from pdctl.serve.ranks import RankProcess, first_of_many, spawn_ranks
+from pdctl.serve.settings import Handoff
 from pdctl.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from pdctl.serve.tp_ops import Op
 from pdctl.staging import device as dev
@@ -202,6 +203,8 @@ def start_rank(
     set_identity(args)
     device = device_for(args)
     ops.set_deterministic(args.deterministic)
+    if not args.settings.native_attention:
+        native_attention.switch_off()
     if args.deterministic and ops.kernel_mode(device.type) == "vendor libraries":
         log.warning(
             "deterministic serving asked for, but %s has no fixed-order kernels here (Triton "
@@ -215,7 +218,9 @@ def start_rank(
     else:  # the main thread's device (NCCL, Triton); worker threads guard their own
         dev.get_device_module(device).set_device(device)
     if children is None:
-        children = spawn_ranks(args.tp, argv, dict(os.environ)) if first_of_many(args) else []
+        handoff = Handoff.from_environ(os.environ)
+        environ = dict(os.environ)
+        children = spawn_ranks(args.tp, argv, environ, handoff) if first_of_many(args) else []
     group = None
     if args.tp > 1:
         if args.dist_port is None:
@@ -226,6 +231,7 @@ def start_rank(
         group = tensor_parallel.TPGroup(
             args.tp_rank, args.tp, "127.0.0.1", args.dist_port, backend, 600,
             via_host=args.shares_devices and device.type != "cpu",
+            shared_memory=args.settings.tp_gather == "futex",
         )  # fmt: skip
     config, tokenizer = load_config(args)
     model = None

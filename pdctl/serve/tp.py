@@ -49,6 +49,7 @@ class TPGroup:
         timeout_s: float,
         *,
         via_host: bool = False,  # gather device tensors through host memory (gloo)
+        shared_memory: bool = True,  # gloo's gathers through futexes in shared memory
     ) -> None:
         self.rank, self.world = rank, world
         self.via_host = via_host
@@ -68,7 +69,8 @@ class TPGroup:
         else:
             store = dist.TCPStore(host, port, world, False, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        self.shared = _shared_gather(store, rank, world, timeout_s) if backend == "gloo" else None
+        shared = backend == "gloo" and shared_memory
+        self.shared = _shared_gather(store, rank, world, timeout_s) if shared else None
         self.handlers: dict[int, Handler] = {}
         # rank 0's sends: one at a time, none between a forward's gathers (`send`)
         self._sending = threading.Lock()
@@ -177,8 +179,8 @@ def _shared_gather(
 ) -> tp_shm.SharedGather | None:
     """Host-memory gathers through a shared file (`tp_shm`), which rank 0 creates and
     names in the store; unlinked once every rank mapped it, so nothing outlives the
-    ranks. None where futexes are missing or PDCTL_TP_GATHER=collective asks for gloo."""
-    if not tp_shm.available() or os.environ.get("PDCTL_TP_GATHER") == "collective":
+    ranks. None where futexes are missing."""
+    if not tp_shm.available():
         return None
     if rank == 0:
         path = f"/dev/shm/pdctl-tp-{os.getpid()}-{secrets.token_hex(4)}"
@@ -289,7 +291,3 @@ def watch_ranks(
     thread = threading.Thread(target=watch, name="pdctl-rank-watch", daemon=True)
     thread.start()
     return thread
-
-
-def parent_alive(expected_parent: int) -> bool:
-    return os.getppid() == expected_parent

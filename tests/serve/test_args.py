@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
 from pdctl.serve.args import parse
+from pdctl.serve.settings import ROWS, ServeSettings
 
 BASE = ["--role", "decode", "--port", "1", "--device", "cuda"]
 
@@ -34,37 +37,43 @@ def test_bad_rank_devices_are_refused_with_the_reason(
     assert message in capsys.readouterr().err
 
 
-def test_cuda_graphs_are_on_by_default_and_off_by_flag_or_environment(monkeypatch) -> None:
-    monkeypatch.delenv("PDCTL_CUDA_GRAPHS", raising=False)
+def test_cuda_graphs_are_on_by_default_and_off_by_flag() -> None:
     assert parse(BASE).cuda_graphs is True
     assert parse([*BASE, "--no-cuda-graphs"]).cuda_graphs is False
-    for value, enabled in (("0", False), ("off", False), ("1", True), (" True ", True)):
-        monkeypatch.setenv("PDCTL_CUDA_GRAPHS", value)
-        assert parse(BASE).cuda_graphs is enabled, value
-    monkeypatch.setenv("PDCTL_CUDA_GRAPHS", "1")
-    assert parse([*BASE, "--no-cuda-graphs"]).cuda_graphs is False
 
 
-def test_a_bad_cuda_graphs_variable_is_refused(monkeypatch, capsys) -> None:
-    monkeypatch.setenv("PDCTL_CUDA_GRAPHS", "maybe")
-    with pytest.raises(SystemExit):
-        parse([*BASE, "--no-cuda-graphs"])  # checked even when the flag turns them off
-    assert "PDCTL_CUDA_GRAPHS takes 0 or 1" in capsys.readouterr().err
+def test_the_settings_table_defaults_and_flags() -> None:
+    """Every row of serve/settings.py is a flag with the table's default."""
+    defaults = parse(BASE).settings
+    assert defaults == ServeSettings()
+    assert defaults.switch_interval_us == 500 and defaults.bells and defaults.notify_at == "write"
+    changed = parse(
+        [*BASE, "--switch-interval-us", "100", "--no-bells", "--notify-at", "token",
+         "--tp-gather", "collective", "--no-fork-ranks", "--no-native-attention",
+         "--cuda-schedule", "blocking"]
+    ).settings  # fmt: skip
+    assert changed == ServeSettings(
+        switch_interval_us=100, cuda_schedule="blocking", native_attention=False,
+        fork_ranks=False, tp_gather="collective", bells=False, notify_at="token",
+    )  # fmt: skip
+    table = {row.name for row in ROWS}
+    assert table == {f.name for f in fields(ServeSettings)} | {"cuda_graphs"}
 
 
 @pytest.mark.parametrize(
-    ("environ", "expected"),
-    [({}, 0.0005), ({"PDCTL_SWITCH_INTERVAL_US": "100"}, 0.0001)],
+    ("argv", "message"),
+    [
+        (["--switch-interval-us", "0"], "microseconds between 1 and 1000000"),
+        (["--switch-interval-us", "fast"], "microseconds between 1 and 1000000"),
+        (["--switch-interval-us", "2000000"], "microseconds between 1 and 1000000"),
+        (["--notify-at", "later"], "invalid choice: 'later'"),
+        (["--tp-gather", "mpi"], "invalid choice: 'mpi'"),
+    ],
 )
-def test_the_pd_servers_switch_interval(environ, expected) -> None:  # type: ignore[no-untyped-def]
-    from pdctl.serve.__main__ import switch_interval_s
-
-    assert switch_interval_s(environ) == pytest.approx(expected)
-
-
-@pytest.mark.parametrize("text", ["0", "fast", "-5", "2000000"])
-def test_a_bad_switch_interval_is_refused_naming_the_variable(text) -> None:  # type: ignore[no-untyped-def]
-    from pdctl.serve.__main__ import switch_interval_s
-
-    with pytest.raises(SystemExit, match="PDCTL_SWITCH_INTERVAL_US"):
-        switch_interval_s({"PDCTL_SWITCH_INTERVAL_US": text})
+def test_a_bad_setting_is_refused_naming_the_flag(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse([*BASE, *argv])
+    err = capsys.readouterr().err
+    assert argv[0] in err and message in err

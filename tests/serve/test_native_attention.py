@@ -90,10 +90,10 @@ def test_a_table_it_cannot_trust_is_refused() -> None:
 
 
 def test_turned_off_it_says_so(monkeypatch) -> None:
-    monkeypatch.setattr(native_attention, "ENABLED", False)
-    native_attention._kernel.cache_clear()
+    monkeypatch.setattr(native_attention, "_off", [])
+    native_attention.switch_off()
     try:
-        assert native_attention.available() == (False, "turned off (PDCTL_NATIVE_ATTENTION=0)")
+        assert native_attention.available() == (False, "turned off (--no-native-attention)")
         q, k, _, _ = batch((4, 2, 16), [(0, 20)])
         assert not native_attention.serves(q, k)
     finally:

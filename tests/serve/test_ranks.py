@@ -13,26 +13,25 @@ import pytest
 
 from pdctl.serve.args import parse
 from pdctl.serve.ranks import ForkedRank, fork_ranks, forks_ranks
+from pdctl.serve.settings import Handoff
 
 TINY = ["--role", "decode", "--port", "1", "--model-preset", "tiny"]
 
 
 @pytest.mark.parametrize(
-    ("extra", "environ", "forks"),
+    ("extra", "forks"),
     [
-        (["--tp", "2"], {}, True),
-        (["--tp", "4", "--device", "cpu"], {}, True),
-        (["--tp", "2"], {"PDCTL_FORK_RANKS": "0"}, False),
-        (["--tp", "2", "--device", "cuda"], {}, False),  # a driver cannot cross a fork
-        (["--tp", "2", "--device", "xpu"], {}, False),
-        (["--tp", "1"], {}, False),  # no other rank
-        (["--tp", "2", "--tp-rank", "1"], {}, False),  # only rank 0 starts them
+        (["--tp", "2"], True),
+        (["--tp", "4", "--device", "cpu"], True),
+        (["--tp", "2", "--no-fork-ranks"], False),
+        (["--tp", "2", "--device", "cuda"], False),  # a driver cannot cross a fork
+        (["--tp", "2", "--device", "xpu"], False),
+        (["--tp", "1"], False),  # no other rank
+        (["--tp", "2", "--tp-rank", "1"], False),  # only rank 0 starts them
     ],
 )
-def test_forks_only_on_the_cpu_from_rank_0(
-    extra: list[str], environ: dict[str, str], forks: bool
-) -> None:
-    assert forks_ranks(parse([*TINY, *extra]), environ) is forks
+def test_forks_only_on_the_cpu_from_rank_0(extra: list[str], forks: bool) -> None:
+    assert forks_ranks(parse([*TINY, *extra])) is forks
 
 
 def _fork_child(code: str) -> ForkedRank:
@@ -59,8 +58,7 @@ def test_a_forked_rank_reports_its_exit_as_popen_does() -> None:
 def test_fork_ranks_gives_each_rank_its_number_and_log(tmp_path) -> None:
     """Ranks 1..3 forked: each child knows its rank and writes its own log; rank 0
     holds the three and sees them end."""
-    env = {"PDCTL_LOG_DIR": str(tmp_path), "PDCTL_PROCESS_NAME": "decode-0"}
-    rank, children = fork_ranks(4, env)
+    rank, children = fork_ranks(4, Handoff(log_dir=tmp_path, process_name="decode-0"))
     if rank:  # pragma: no cover (a forked rank)
         os.write(1, f"rank {rank} of pid {os.getppid()}\n".encode())  # fd 1: the log
         os._exit(0)
@@ -79,7 +77,8 @@ def test_a_forked_rank_dies_with_rank_0(tmp_path) -> None:
 import os, sys, time
 sys.path.insert(0, {os.getcwd()!r})
 from pdctl.serve.ranks import fork_ranks
-rank, children = fork_ranks(2, {{}})
+from pdctl.serve.settings import Handoff
+rank, children = fork_ranks(2, Handoff())
 if rank:
     open({str(marker)!r}, "w").write(str(os.getpid()))
     time.sleep(60)

@@ -65,7 +65,7 @@ def bucket_for(buckets: Sequence[int], count: int) -> int | None:
 def unavailable_reason(runner: ModelRunner, enabled: bool) -> str | None:
     """Why this runner's decode steps cannot replay graphs at all (None: they can)."""
     if not enabled:
-        return "switched off (--no-cuda-graphs or PDCTL_CUDA_GRAPHS=0)"
+        return "switched off (--no-cuda-graphs)"
     if runner.device.type != "cuda":
         return f"not CUDA ({runner.device.type})"
     if runner.gather is not None:

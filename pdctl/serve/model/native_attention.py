@@ -3,22 +3,20 @@ its own keys only, in one fixed order; the torch path stays where it cannot serv
 
 The torch path (`attention.paged_attention_reference`) pads every query to a tile of
 16 rows and every key run to blocks of 64, in tens of small tensor operations a layer;
-a CPU decode step spent most of its time there (the tiny preset, one thread: 1.7 of
-5.1 ms at batch 1, 19 of 23 ms at batch 8; docs/benchmarks.md, session 16). The C
+a CPU decode step spent most of its time there (docs/benchmarks.md). The C
 kernel's numbers for a row depend only on that row's query and keys, so serving stays
 batch-, chunk- and prefix-invariant; they equal the torch path's to rounding, not
 bitwise, so a process uses one of the two for every forward: float32 KV on the CPU
 with the library built takes the C kernel, anything else the torch path (`serves`).
 It is built once per source version with the host's compiler, beside the staging copy
-(`staging.kernels.native.build`); PDCTL_NATIVE_ATTENTION=0 turns it off, and
-`available()` says why it is not there when it is not.
+(`staging.kernels.native.build`); the server's `--no-native-attention` turns it off
+(`switch_off`, once at start), and `available()` says why it is not there when it is not.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +26,21 @@ from pdctl.serve.model.batch import KeyTable
 from pdctl.staging.kernels import native
 
 SOURCE = Path(__file__).with_name("native_attention.c")
-ENABLED = os.environ.get("PDCTL_NATIVE_ATTENTION", "1") != "0"
+_off: list[bool] = []  # the server's setting, applied once at start (`switch_off`)
 # No fused multiply-adds of the compiler's choosing: the same numbers from every compiler.
 FLAGS = ("-ffp-contract=off",)
 
 
+def switch_off() -> None:
+    """`--no-native-attention`: every forward of this process takes the torch path."""
+    _off.append(True)
+    _kernel.cache_clear()
+
+
 @functools.cache
 def _kernel() -> tuple[Any, str]:  # (the C function or None, why)
-    if not ENABLED:
-        return None, "turned off (PDCTL_NATIVE_ATTENTION=0)"
+    if _off:
+        return None, "turned off (--no-native-attention)"
     try:
         library = ctypes.CDLL(str(native.build(SOURCE, "attention", FLAGS)))
     except OSError as exc:

@@ -11,6 +11,9 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse
 
+from pdctl.serve.settings import Handoff
+from pdctl.settings import RUN_SECRET_VAR
+
 log = logging.getLogger("pdctl.serve")
 
 
@@ -24,7 +27,8 @@ class PeerCallError(RuntimeError):
 
 
 def run_secret() -> bytes:
-    return os.environ.get("PDCTL_RUN_SECRET", "").encode()
+    """The per-run secret the launcher handed this process (empty outside a run)."""
+    return Handoff.from_environ(os.environ).secret
 
 
 def refuse_unless_authorized(request: Any, secret: bytes, endpoint: str) -> Any:
@@ -47,9 +51,10 @@ def refuse_unless_authorized(request: Any, secret: bytes, endpoint: str) -> Any:
 def warn_if_no_secret(role: str, host: str) -> None:
     if not run_secret():
         log.warning(
-            "%s: PDCTL_RUN_SECRET is not set, so the bootstrap and internal endpoints accept "
+            "%s: %s is not set, so the bootstrap and internal endpoints accept "
             "any client that can reach %s (pdctl up always sets it)",
             role,
+            RUN_SECRET_VAR,
             host,
         )
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -26,9 +25,6 @@ log = logging.getLogger("pdctl.serve")
 # How long a rank's end waits for the stop signal before it counts as a death: the ranks
 # of one group get the signal together and a child may be reaped before rank 0 handles it.
 STOP_RACE_S = 1.0
-# Freeze what start-up allocated before serving (PDCTL_GC_FREEZE=1): the garbage
-# collector's full passes then skip the model's and torch's objects.
-GC_FREEZE = os.environ.get("PDCTL_GC_FREEZE", "0") == "1"
 
 
 def build_engine(rank: Rank, *, prefix_cache: bool = True, hooks: PDHooks | None = None) -> Engine:
@@ -92,8 +88,6 @@ def serve(
 
         server = f"{rank.args.role}-{rank.args.replica}"
         tensor_parallel.watch_ranks(rank.children, server, died)
-    if GC_FREEZE:  # what start-up made (the model, torch's graph) is never scanned again
-        gc.freeze()
     try:
         run_servers(apps)
     finally:

@@ -1,0 +1,145 @@
+"""The embedded server's settings table: every tunable of `python -m pdctl.serve`.
+
+Each row is a flag of the server, generated here into its parser and read once into a
+frozen `ServeSettings` (`ServerArgs.settings`), which the parts that use it are given
+through their constructors. A topology sets one with `serving.args` (or a role's
+`args`); `pdctl doctor --settings` prints the table and docs/settings.md is generated
+from it. `Handoff` is what the launcher handed this process in its environment (the
+variables of `pdctl.settings.HANDOFF`), read here once and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdctl.settings import (
+    FAULTS_VAR,
+    LOG_DIR_VAR,
+    PROCESS_NAME_VAR,
+    RUN_ID_VAR,
+    RUN_SECRET_VAR,
+    Setting,
+)
+
+NOTICES = ("write", "token", "worker")
+TP_GATHERS = ("futex", "collective")
+CUDA_SCHEDULES = ("", "auto", "spin", "yield", "blocking")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """The server's tunables, parsed once from its flags (defaults: what was measured best)."""
+
+    switch_interval_us: int = 500
+    cuda_schedule: str = ""  # "": the driver's own choice
+    native_attention: bool = True
+    fork_ranks: bool = True
+    tp_gather: str = "futex"
+    bells: bool = True
+    notify_at: str = "write"
+
+
+ROWS: tuple[Setting, ...] = (
+    Setting(
+        "cuda_graphs", "true", "decode steps replayed as CUDA graphs on CUDA at TP 1 (one "
+        "launch per step instead of one per kernel); off to compare or to debug a kernel",
+        "--cuda-graphs / --no-cuda-graphs",
+    ),
+    Setting(
+        "switch_interval_us", "500", "the GIL switch interval of a PD server, in us: the KV "
+        "threads beside the engine's loop wait for the GIL up to this long per call "
+        "(CPython's 5 ms made a write ms of waiting)", "--switch-interval-us",
+    ),
+    Setting(
+        "cuda_schedule", "", "how CUDA waits for the device (spin, yield, blocking, auto), "
+        "set before the context exists; empty: the driver's choice", "--cuda-schedule",
+    ),
+    Setting(
+        "native_attention", "true", "the CPU's float32 attention in C (one query row at a "
+        "time, a fixed order); off: the torch path, equal to rounding",
+        "--native-attention / --no-native-attention",
+    ),
+    Setting(
+        "fork_ranks", "true", "on the CPU, TP ranks forked once the modules are imported "
+        "(milliseconds, not 1.5 s of imports each); off: spawned",
+        "--fork-ranks / --no-fork-ranks",
+    ),
+    Setting(
+        "tp_gather", "futex", "how TP ranks of one host gather: futexes over shared memory, "
+        "or gloo's collective (the fallback where futexes are missing)", "--tp-gather",
+    ),
+    Setting(
+        "bells", "true", "doorbells in shared memory for a KV notice between processes of "
+        "one host instead of a message; off: the notice as a message (another host)",
+        "--bells / --no-bells",
+    ),
+    Setting(
+        "notify_at", "write", "when prefill notifies decode that a room's KV landed: after "
+        "the write (write), once the first token is chosen (token), or from the room's "
+        "worker (worker)", "--notify-at",
+    ),
+)  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The table's flags on the server's parser (cuda_graphs stays a ServerArgs field)."""
+    on_off = argparse.BooleanOptionalAction
+    parser.add_argument("--switch-interval-us", type=_interval, default=500)
+    parser.add_argument("--cuda-schedule", choices=CUDA_SCHEDULES, default="")
+    parser.add_argument("--native-attention", action=on_off, default=True)
+    parser.add_argument("--fork-ranks", action=on_off, default=True)
+    parser.add_argument("--tp-gather", choices=TP_GATHERS, default="futex")
+    parser.add_argument("--bells", action=on_off, default=True)
+    parser.add_argument("--notify-at", choices=NOTICES, default="write")
+
+
+def from_namespace(parsed: argparse.Namespace) -> ServeSettings:
+    return ServeSettings(
+        switch_interval_us=parsed.switch_interval_us,
+        cuda_schedule=parsed.cuda_schedule,
+        native_attention=parsed.native_attention,
+        fork_ranks=parsed.fork_ranks,
+        tp_gather=parsed.tp_gather,
+        bells=parsed.bells,
+        notify_at=parsed.notify_at,
+    )
+
+
+def _interval(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"{text!r}: give microseconds between 1 and 1000000")
+    return value
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What the launcher handed this process (unset outside a run: an ad-hoc server)."""
+
+    run_id: str = ""
+    secret: bytes = b""
+    faults: str = ""  # the JSON list; serve/faults.py parses it
+    log_dir: Path | None = None
+    process_name: str = ""
+
+    @property
+    def launched(self) -> bool:
+        """Under the launcher: a run directory and a process name to write logs by."""
+        return self.log_dir is not None and bool(self.process_name)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> Handoff:
+        log_dir = environ.get(LOG_DIR_VAR)
+        return cls(
+            run_id=environ.get(RUN_ID_VAR, ""),
+            secret=environ.get(RUN_SECRET_VAR, "").encode(),
+            faults=environ.get(FAULTS_VAR, ""),
+            log_dir=Path(log_dir) if log_dir else None,
+            process_name=environ.get(PROCESS_NAME_VAR, ""),
+        )
