@@ -65,12 +65,6 @@ class RayRun(Run):
             raise LaunchFailed(f"could not start on the Ray cluster: {exc}") from None
         self.write_state()
 
-    def release_ports(self) -> None:
-        if self.ray is None:
-            return
-        for name in list(self.ray.actors):
-            self.ray.call(name, "release")
-
     def listeners(self) -> dict[str, list[Listener]]:
         if self.ray is None:
             return {}

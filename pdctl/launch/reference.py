@@ -3,8 +3,8 @@
 verify compares PD with it (the reference pass) and reproduces divergences on it
 with no KV transfer at all (the control before blame). The engine says what the
 server is (`Engine.reference`: its ports, command and probes); this module starts it
-as one more process of the run, so it is stopped with the run (by the run's owner, also
-when it fails to start), and waits for it.
+with the run's environment and hands it to the run as one more process, so it is stopped
+with the run (by the run's owner, also when it fails to start), and waits for it.
 Engine faults (perturb-prefix-hit) reach it as they reach the engine's PD servers.
 """
 
@@ -12,23 +12,48 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import httpx
 
 from pdctl.engines import get_engine
-from pdctl.engines.command import render_command, render_value
-from pdctl.launch.loopback import confine
-from pdctl.launch.plan import ProcessPlan
+from pdctl.engines.command import render_command
+from pdctl.launch.forking import Starter
+from pdctl.launch.plan import LaunchPlan, ProcessPlan
 from pdctl.launch.ports import Allocation, allocate
 from pdctl.launch.preparation import make_workdir
 from pdctl.launch.readiness import check
 from pdctl.launch.stages import REFERENCE_ROLE, LaunchFailed, ProcessState
-from pdctl.topology.resolve import FAULTS_VAR, faults_of
+from pdctl.settings import FAULTS_VAR
+from pdctl.topology.resolve import faults_of
 
-if TYPE_CHECKING:
-    from pdctl.launch.run import Run
+
+class Host(Protocol):
+    """What the reference takes of the run it joins (`run.Run`); it records nothing there:
+    the run adds the state `spawn_reference` returns to its processes."""
+
+    plan: LaunchPlan
+    dir: Path
+    detach: bool
+    starter: Starter
+    secret: str
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def render_map(self) -> dict[str, int | str]: ...
+
+    def workdir(self, name: str) -> Path: ...
+
+    def env_for(
+        self, process: ProcessPlan, ports: Mapping[str, int] | None = None
+    ) -> dict[str, str]: ...
+
+    def describe(self, state: ProcessState) -> str: ...
 
 
 @dataclass
@@ -36,7 +61,7 @@ class StartingReference:
     """A reference server spawned and not yet ready: `wait` for its URL (from any
     thread; the spawn itself happened on the caller's, whose exit the child watches)."""
 
-    run: Run
+    run: Host
     state: ProcessState
     ports: Allocation
 
@@ -48,7 +73,7 @@ class StartingReference:
         return self.state.url
 
 
-def spawn_reference(run: Run, tp: int = 1) -> StartingReference:
+def spawn_reference(run: Host, tp: int = 1) -> StartingReference:
     """Spawn the reference next to `run`'s processes; `wait` says when its probes answer."""
     topology = run.plan.topology
     engine = get_engine(topology.engine)
@@ -57,14 +82,10 @@ def spawn_reference(run: Run, tp: int = 1) -> StartingReference:
     plan = ProcessPlan("reference", REFERENCE_ROLE, 0, (), spec.slots, spec.env, spec.command,
                        spec.probes, engine.workdir)  # fmt: skip
     state = ProcessState(plan, f"http://{run.host}:{ports.ports['reference.http']}")
-    values = {**run.render_map, **ports.ports, "workdir": str(run.workdir("reference"))}
-    env = {**run.parent_env, "PDCTL_LOG_DIR": str(run.dir), "PDCTL_PROCESS_NAME": "reference"}
-    env |= {entry.name: render_value(entry.value, values) for entry in spec.env}
-    env.setdefault("PYTHONUNBUFFERED", "1")  # as the run's servers: its log as it happens
+    env = run.env_for(plan, ports.ports)
     faults = faults_of(topology, "colocated")  # engine faults: the reference has them too
     if faults:
         env[FAULTS_VAR] = json.dumps(faults)
-    confine(env, run.host)
     run.dir.mkdir(parents=True, exist_ok=True)
     where = make_workdir(run.workdir("reference")) if engine.workdir else None
     argv = render_command(spec.command, ports.ports)
@@ -76,16 +97,10 @@ def spawn_reference(run: Run, tp: int = 1) -> StartingReference:
     except BaseException:
         ports.release()
         raise
-    run.states.append(state)
     return StartingReference(run, state, ports)
 
 
-def start_reference(run: Run, tp: int = 1, timeout: float = 120.0) -> str:
-    """Start the reference next to `run`'s processes; its URL once its probes answer."""
-    return spawn_reference(run, tp).wait(timeout)
-
-
-def _wait(run: Run, state: ProcessState, ports: dict[str, int], timeout: float) -> None:
+def _wait(run: Host, state: ProcessState, ports: dict[str, int], timeout: float) -> None:
     """Until the reference's probes answer. Only its own exit is checked, and nothing is
     stopped here: this may run beside the passes on another thread, and the run's owner
     watches (and stops) the run's other processes itself."""
@@ -98,7 +113,8 @@ def _wait(run: Run, state: ProcessState, ports: dict[str, int], timeout: float) 
                 raise LaunchFailed(
                     f"the reference server (pid {state.spawned.pid}) {how}", run.describe(state)
                 )
-            problems = [check(run, client, p, ports) for p in state.plan.probes]
+            values = {**run.render_map, **ports}
+            problems = [check(client, p, values, run.secret) for p in state.plan.probes]
             if not any(problems):
                 state.advance("ready")
                 return

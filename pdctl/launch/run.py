@@ -33,10 +33,10 @@ from pdctl.launch.ports import Allocation, allocate
 from pdctl.launch.preparation import make_workdir, prepare
 from pdctl.launch.processes import start_time, stop_groups
 from pdctl.launch.readiness import wait_ready
-from pdctl.launch.reference import StartingReference, spawn_reference, start_reference
+from pdctl.launch.reference import StartingReference, spawn_reference
 from pdctl.launch.stages import STAGES, LaunchFailed, ProcessState
 from pdctl.records import ServerInfo
-from pdctl.topology.resolve import RUN_ID_VAR, RUN_SECRET_VAR
+from pdctl.settings import LOG_DIR_VAR, PROCESS_NAME_VAR, RUN_ID_VAR, RUN_SECRET_VAR
 
 __all__ = ["STAGES", "LaunchFailed", "ProcessState", "Run", "run_name"]
 
@@ -107,19 +107,25 @@ class Run:
         """The folder of the run a process of an engine that asks for one works in."""
         return self.dir / name
 
-    def env_overrides(self, process: ProcessPlan) -> dict[str, str]:
+    def env_overrides(
+        self, process: ProcessPlan, ports: Mapping[str, int] | None = None
+    ) -> dict[str, str]:
         """What the process's environment changes of its parent's: topology and run (its
-        ports and folder filled into the values that name them)."""
-        values = {**self.render_map, "workdir": str(self.workdir(process.name))}
+        ports, and `ports` it has beyond the run's table, and its folder filled into the
+        values that name them)."""
+        values = {**self.render_map, **(ports or {}), "workdir": str(self.workdir(process.name))}
         env = {entry.name: render_value(entry.value, values) for entry in process.env}
         env[RUN_ID_VAR] = self.run_id
         env[RUN_SECRET_VAR] = self.secret  # never on a command line
-        env["PDCTL_LOG_DIR"] = str(self.dir)
-        env["PDCTL_PROCESS_NAME"] = process.name
+        env[LOG_DIR_VAR] = str(self.dir)
+        env[PROCESS_NAME_VAR] = process.name
         return env
 
-    def env_for(self, process: ProcessPlan) -> dict[str, str]:
-        env = {**self.parent_env, **self.env_overrides(process)}
+    def env_for(
+        self, process: ProcessPlan, ports: Mapping[str, int] | None = None
+    ) -> dict[str, str]:
+        """The whole environment a process of this run starts with (the one builder)."""
+        env = {**self.parent_env, **self.env_overrides(process, ports)}
         env.setdefault("PYTHONUNBUFFERED", "1")
         warning = confine(env, self.host)
         if warning and warning not in self.warnings:
@@ -221,7 +227,15 @@ class Run:
         self, timeout: float | None = None, on_change: Callable[[Run], None] | None = None
     ) -> None:
         """Block until the run serves; raise LaunchFailed (the run is then stopped)."""
-        wait_ready(self, timeout, on_change)
+        changed = None if on_change is None else (lambda: on_change(self))
+        try:
+            self.canary = wait_ready(self, timeout, changed)
+        except LaunchFailed:
+            self.stop()
+            raise
+        self.check_listeners()
+        if on_change is not None:
+            on_change(self)
         if self.allocation is not None:
             self.allocation.release()
         self.write_state()
@@ -293,11 +307,14 @@ class Run:
 
     def start_reference(self, tp: int = 1, timeout: float = 120.0) -> str:
         """A colocated server of the same engine and model, ready; its URL."""
-        return start_reference(self, tp, timeout)
+        return self.spawn_reference(tp).wait(timeout)
 
     def spawn_reference(self, tp: int = 1) -> StartingReference:
-        """The reference spawned now; its `wait` (from any thread) gives the URL when ready."""
-        return spawn_reference(self, tp)
+        """The reference spawned now, one more process of this run (stopped with it); its
+        `wait` (from any thread) gives the URL when ready."""
+        starting = spawn_reference(self, tp)
+        self.states.append(starting.state)
+        return starting
 
     # -- stop ------------------------------------------------------------------------
     def stop(self, grace: float = 5.0) -> list[str]:
