@@ -1,13 +1,19 @@
 """`pdctl doctor [FILE...]`: what this machine can run (a report; always exits 0).
 
 Without files: torch, Triton, devices and each transport as pdctl's interpreter finds
-them. With topology files: also each one's engine environment, asked of the engine's
-own interpreter (`engine_python`): its Python, the versions installed, and whether the
-KV connector imports there.
+them, and every settings table (each row's default, and the value this environment
+gives it; `-v` lists every row). With topology files: also each one's engine
+environment, asked of the engine's own interpreter (`engine_python`): its Python, the
+versions installed, and whether the KV connector imports there.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,6 +25,7 @@ from pdctl.cli.common import JsonOption, QuietOption, VerboseOption, options
 from pdctl.engines import get_engine
 from pdctl.launch.engine_env import EngineEnv, probe
 from pdctl.launch.plan import load_checked, make_plan
+from pdctl.settings import HANDOFF, RUN_SECRET_VAR
 
 
 def tent_line(info: dict[str, Any]) -> str:
@@ -54,6 +61,7 @@ def doctor(
     data = report()
     data["capabilities"] = sorted(capabilities(data))
     data["engines"] = engines
+    data["settings"] = settings_report(dict(os.environ))
     if opts.json:
         console.emit_json(data)
         return
@@ -77,6 +85,42 @@ def doctor(
     out.print("capabilities: " + (", ".join(data["capabilities"]) or "none"), markup=False)
     for engine in engines:
         _engine(engine)
+    _settings(data["settings"], opts.verbose > 0)
+
+
+def settings_report(environ: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+    """Every settings table (docs/settings.md), each row with the value this environment
+    gives its variable, if any (a secret shown as set, never its value)."""
+    from pdctl.staging.settings import StagingSettings
+
+    served = subprocess.run(
+        [sys.executable, "-m", "pdctl.serve.settings"], capture_output=True, text=True, timeout=60
+    )
+    serve = json.loads(served.stdout) if served.returncode == 0 else []
+    tables = {
+        "handoff": [asdict(row) for row in HANDOFF],
+        "serve": serve,
+        "staging": [asdict(row) for row in StagingSettings.rows()],
+    }
+    for rows in tables.values():
+        for row in rows:
+            variable = (
+                row["source"].removeprefix("env ") if row["source"].startswith("env ") else None
+            )
+            if variable is not None and variable in environ:
+                row["value"] = "(set)" if variable == RUN_SECRET_VAR else environ[variable]
+    return tables
+
+
+def _settings(tables: dict[str, list[dict[str, Any]]], every_row: bool) -> None:
+    out = console.out
+    count = sum(len(rows) for rows in tables.values())
+    out.print(f"settings: {count} rows in {len(tables)} tables (docs/settings.md)", markup=False)
+    for name, rows in tables.items():
+        for row in rows:
+            if every_row or "value" in row:
+                shown = row.get("value", row["default"] or "unset")
+                out.print(f"  {name}.{row['name']} = {shown}  ({row['source']})", markup=False)
 
 
 def engine_report(file: Path) -> dict[str, Any]:

@@ -143,3 +143,10 @@ class Handoff:
             log_dir=Path(log_dir) if log_dir else None,
             process_name=environ.get(PROCESS_NAME_VAR, ""),
         )
+
+
+if __name__ == "__main__":  # `pdctl doctor` reads the table so: the CLI imports no serve
+    import json
+    from dataclasses import asdict
+
+    print(json.dumps([asdict(row) for row in ROWS]))

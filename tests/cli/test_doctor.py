@@ -71,3 +71,21 @@ def test_doctor_says_tent_is_not_engaged_from_what_the_engine_ran(name: str, val
 
 def test_doctor_is_listed_in_help(cli) -> None:
     assert "doctor" in cli.invoke(app, ["--help"]).stdout
+
+
+def test_doctor_shows_every_settings_table_with_the_values_in_effect(tmp_path) -> None:
+    env = {**os.environ, "PDCTL_NATIVE_DIR": str(tmp_path), "PDCTL_RUN_SECRET": "hush"}
+    result = run_doctor("--json", env=env)
+    assert result.returncode == 0, result.stderr
+    tables = json.loads(result.stdout)["settings"]
+    assert set(tables) >= {"handoff", "serve", "staging"}
+    serve = {row["name"]: row for row in tables["serve"]}
+    assert serve["switch_interval_us"]["default"] == "500"
+    assert serve["bells"]["source"] == "--bells / --no-bells"
+    staging = {row["name"]: row for row in tables["staging"]}
+    assert staging["native_dir"]["value"] == str(tmp_path)
+    secret = {row["name"]: row for row in tables["handoff"]}["PDCTL_RUN_SECRET"]
+    assert secret["value"] == "(set)" and "hush" not in result.stdout
+    text = run_doctor("-v", env=env).stdout
+    assert "serve.notify_at = write  (--notify-at)" in text
+    assert f"staging.native_dir = {tmp_path}" in text
