@@ -227,13 +227,16 @@ def main() -> None:
                 for name, function in kernels.items():
                     print(f"    {name:<46} {device_us(device, function):9.1f} us", flush=True)
             if probe is not None:  # the enqueue alone: replayed from a graph, eager, contended
-                from pdctl.staging.kernels import captured
+                from pdctl.staging.kernels import page_write
+                from pdctl.staging.settings import StagingSettings
 
                 sys.setswitchinterval(0.0005)  # as the PD servers run
                 print("  mapped write, host time to enqueue (the device drained between calls):")
                 for contended in (False, True):
                     for graphs in (True, False):
-                        captured.ENABLED = graphs
+                        page_write.WRITES = page_write.WRITES.configured(
+                            StagingSettings(graphs=graphs)
+                        )
                         with Contender() if contended else contextlib.nullcontext():
                             each = median_us(start_mapped, sync, enqueue_only=True)
                         print(
@@ -242,7 +245,7 @@ def main() -> None:
                             f" {each:9.1f} us",
                             flush=True,
                         )
-                captured.ENABLED = True
+                page_write.WRITES = page_write.WRITES.configured(StagingSettings())
             if args.profile:
                 profile = cProfile.Profile()
                 profile.enable()

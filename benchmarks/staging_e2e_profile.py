@@ -1,6 +1,7 @@
 """Where an end-to-end staging call's time goes on an accelerator, per bench shape.
 
     python benchmarks/staging_e2e_profile.py [--device cuda] [--json out.json] [--trace DIR]
+        [--upload ahead|kernel|copy]
 
 For each `pdctl bench staging` shape, gather and scatter as the bench calls them
 (checked wrapper, page ids uploaded from pinned memory, graph replays):
@@ -18,6 +19,9 @@ turn), nothing synchronised in between; each call's staged bytes are kept on the
 device, then compared bitwise with an eager gather of that call's pages. A replay
 that read another call's ids, or ids not yet uploaded, shows as a mismatch (run it
 under `compute-sanitizer` to catch an access out of bounds as well).
+
+`--upload`: how a replay's ids reach the device: copied ahead of its graph (the
+default), or inside it by the upload kernel or a copy node (`StagingSettings`).
 """
 
 from __future__ import annotations
@@ -32,8 +36,16 @@ from pathlib import Path
 
 import torch
 
-from pdctl.staging import bench
+from pdctl.staging import bench, kernels
 from pdctl.staging.kernels import gather_all_layers_to_staging, scatter_staging_to_kv
+from pdctl.staging.kernels.captured import CapturedCalls
+from pdctl.staging.settings import StagingSettings
+
+UPLOADS = {
+    "ahead": StagingSettings(),
+    "kernel": StagingSettings(upload_ahead=False, upload_kernel=True),
+    "copy": StagingSettings(upload_ahead=False, upload_kernel=False),
+}
 
 
 def host_us(device: torch.device, operation: Callable[[], object], calls: int = 200) -> float:
@@ -235,7 +247,9 @@ def main() -> None:
     parser.add_argument("--trace", default=None)
     parser.add_argument("--shapes", default="0,1,2,3")
     parser.add_argument("--stress", type=int, default=0, help="check CALLS replays instead")
+    parser.add_argument("--upload", choices=sorted(UPLOADS), default="ahead")
     args = parser.parse_args()
+    kernels.CAPTURED = CapturedCalls(settings=UPLOADS[args.upload])  # this process's switches
     device = torch.device(args.device)
     if args.stress:
         found = []

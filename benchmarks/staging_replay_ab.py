@@ -9,7 +9,7 @@ shape once per way, the ways in turn:
 - `armed`: the page check called from Python, then the launch and its events in one
   C call (session 18's way: `captured.CapturedCalls.arm`).
 - `one-by-one`: the page check from Python, then the five driver calls one by one
-  from Python (session 17's way: PDCTL_STAGING_REPLAY_IN_C=0).
+  from Python (session 17's way: `StagingSettings(replay_in_c=False)`).
 
 Prints, per shape and way, the median over rounds of the gather and scatter ratios
 to a device copy (each already a median over the bench's repeats), with their range.
@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-from pdctl.staging import bench, held_replay, kernels
+from pdctl.staging import bench, kernels
 from pdctl.staging import device as dev
 from pdctl.staging.kernels.captured import CapturedCalls
+from pdctl.staging.settings import StagingSettings
 
 WAYS = ("one-call", "armed", "one-by-one")
 
@@ -40,16 +41,14 @@ WAYS = ("one-call", "armed", "one-by-one")
 def way(name: str, device: torch.device) -> Iterator[None]:
     """The process's staging calls done `name`'s way, with a cache of their own (so
     every shape is captured anew, the way's choices made at its capture)."""
-    usual, in_c = kernels.usual_ids, held_replay.ENABLED
-    kernels.CAPTURED = CapturedCalls()
+    usual = kernels.usual_ids
+    kernels.CAPTURED = CapturedCalls(settings=StagingSettings(replay_in_c=name != "one-by-one"))
     if name != "one-call":
         kernels.usual_ids = lambda *args: None  # type: ignore[assignment]
-    if name == "one-by-one":
-        held_replay.ENABLED = False
     try:
         yield
     finally:
-        kernels.usual_ids, held_replay.ENABLED = usual, in_c
+        kernels.usual_ids = usual
         dev.synchronize(device)
         kernels.CAPTURED = CapturedCalls()  # the shapes' graphs and pools let go
 

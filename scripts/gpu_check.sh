@@ -118,23 +118,20 @@ if has fault; then
   # the end-to-end staging profile, the upload kernel on and off in turn, each with cold
   # Triton and C-library caches as on a freshly started machine; one line a run.
   for round in $(seq "${FAULT_ROUNDS:-3}"); do
-    for upload in 1 0; do
-      log="$OUT/fault-$round-upload$upload.log"
-      TRITON_CACHE_DIR=$(mktemp -d) PDCTL_NATIVE_DIR=$(mktemp -d) \
-        PDCTL_STAGING_UPLOAD_AHEAD=0 PDCTL_STAGING_UPLOAD_KERNEL=$upload timeout 150 \
-        python3 benchmarks/staging_e2e_profile.py > "$log" 2>&1
+    for upload in kernel copy; do
+      log="$OUT/fault-$round-upload-$upload.log"
+      TRITON_CACHE_DIR=$(mktemp -d) PDCTL_NATIVE_DIR=$(mktemp -d) timeout 150 \
+        python3 benchmarks/staging_e2e_profile.py --upload "$upload" > "$log" 2>&1
       rc=$?
       echo "round $round upload=$upload rc=$rc shapes=$(grep -c e2e10 "$log")" \
         "illegal=$(grep -c 'illegal memory' "$log")" | tee -a "$OUT/fault.txt"
     done
   done
   # the default (ids copied ahead of the graph), then the upload inside it: kernel, copy
-  for upload in ahead 1 0; do
-    ahead=$([ "$upload" = ahead ] && echo 1 || echo 0)
-    PDCTL_STAGING_UPLOAD_AHEAD=$ahead PDCTL_STAGING_UPLOAD_KERNEL=${upload/ahead/1} timeout 120 \
-      python3 benchmarks/staging_e2e_profile.py --stress 12 > "$OUT/stress-upload$upload.log" \
-      2>&1 || status=1
-    tail -n 1 "$OUT/stress-upload$upload.log" | tee -a "$OUT/fault.txt"
+  for upload in ahead kernel copy; do
+    timeout 120 python3 benchmarks/staging_e2e_profile.py --stress 12 --upload "$upload" \
+      > "$OUT/stress-upload-$upload.log" 2>&1 || status=1
+    tail -n 1 "$OUT/stress-upload-$upload.log" | tee -a "$OUT/fault.txt"
   done
   if command -v compute-sanitizer >/dev/null; then
     timeout 280 compute-sanitizer --tool memcheck --print-limit 20 \

@@ -76,10 +76,6 @@ def as_device(device: DeviceLike) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device(device)
 
 
-def is_host(device: DeviceLike) -> bool:
-    return as_device(device).type == "cpu"
-
-
 def get_device_module(device: DeviceLike) -> ModuleType:
     """torch.cuda, torch.xpu, torch.npu, ... for the device's type."""
     return torch.get_device_module(as_device(device).type)
@@ -177,8 +173,3 @@ def resolve_device(device_type: str, gpu_id: int | None = None) -> torch.device:
             )
         return parsed
     return torch.device(parsed.type, gpu_id if gpu_id is not None else 0)
-
-
-def triton_supported(device_type: str) -> bool:
-    """Triton kernels serve CUDA and XPU; every other device takes the torch path."""
-    return device_type.split(":", 1)[0] in ("cuda", "xpu")

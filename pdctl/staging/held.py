@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from typing import Any
 
 import torch
@@ -29,7 +28,6 @@ import torch
 log = logging.getLogger("pdctl.staging")
 
 CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600
-ENABLED = os.environ.get("PDCTL_HELD_CUDA_CALLS", "1") != "0"
 
 
 class _Driver:
@@ -71,15 +69,14 @@ _LOADED = False
 
 
 def driver() -> _Driver | None:
-    """The driver's calls, or None where libcuda cannot be loaded (or ENABLED is off)."""
+    """The driver's calls, or None where libcuda cannot be loaded."""
     global _DRIVER, _LOADED
     if not _LOADED:
         _LOADED = True
-        if ENABLED:
-            try:
-                _DRIVER = _Driver()
-            except (OSError, AttributeError) as exc:
-                log.info("staging: CUDA driver calls go through torch (%s)", exc)
+        try:
+            _DRIVER = _Driver()
+        except (OSError, AttributeError) as exc:
+            log.info("staging: CUDA driver calls go through torch (%s)", exc)
     return _DRIVER
 
 

@@ -17,8 +17,8 @@ page check of `kernels.native`, the same code the Python path calls). What it ca
 do there, it says (`SLOT_BUSY`, `FEW_STAMPS`, `IDS_REFUSED`) and the caller does it.
 
 `held_replay(...)` gives a `HeldReplay` where the library builds and the driver is
-loaded, else None (the caller makes the calls one by one);
-PDCTL_STAGING_REPLAY_IN_C=0 turns it off.
+loaded, else None (the caller makes the calls one by one, as it does with the
+settings' `replay_in_c` off).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,6 @@ from pdctl.staging.kernels.native import STAMPS, check_function
 log = logging.getLogger("pdctl.staging")
 
 SOURCE = Path(__file__).with_name("held_replay.c")
-ENABLED = os.environ.get("PDCTL_STAGING_REPLAY_IN_C", "1") != "0"
 STEPS = ("cuMemcpyHtoDAsync", "cuEventRecord (upload)", "cuStreamWaitEvent", "cuGraphLaunch",
          "cuEventRecord", "cuEventQuery")  # fmt: skip
 # what pdctl_checked_replay leaves to its caller (held_replay.c), besides REPLAYED = 0
@@ -138,9 +136,9 @@ def held_replay(
     done: HeldEvent,
     ids: tuple[int, int, int],  # (device address, pinned host address, bytes)
 ) -> HeldReplay | None:
-    """The slot's replay in one C call, or None (off, no driver, no compiler)."""
+    """The slot's replay in one C call, or None (no driver, no compiler)."""
     calls = driver()
-    if not ENABLED or calls is None:
+    if calls is None:
         return None
     library, why = replay_library()
     if library is None:

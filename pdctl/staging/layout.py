@@ -40,12 +40,6 @@ def _check_tp(num_kv_heads: int, tp: int, what: str) -> None:
         raise ValueError(f"{what}: TP {tp} is not a multiple of {num_kv_heads} KV heads")
 
 
-def local_num_heads(num_kv_heads: int, tp: int) -> int:
-    """KV heads one rank stores (1 when heads are replicated)."""
-    _check_tp(num_kv_heads, tp, "layout")
-    return max(1, num_kv_heads // tp)
-
-
 def rank_heads(num_kv_heads: int, tp: int, rank: int) -> range:
     """Global KV head indices rank `rank` stores, in local order."""
     if not 0 <= rank < tp:

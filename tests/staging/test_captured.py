@@ -15,6 +15,7 @@ from pdctl.staging.kernels import captured, native
 from pdctl.staging.kernels.base import BufferCache, keeping
 from pdctl.staging.kernels.captured import CapturedCalls, Eager
 from pdctl.staging.kernels.pages import host_ids
+from pdctl.staging.settings import StagingSettings
 from tests.staging.kv_factory import as_bits, naive_gather, random_kv, random_pages
 
 PAGE, POOL_PAGES, COUNT = 4, 32, 6
@@ -48,7 +49,9 @@ class FakeSlot:
 
 
 def fake_capture(log: list[Any], fail: bool = False):  # type: ignore[no-untyped-def]
-    def capture(device: torch.device, num_ids: int, eager: Eager, first: Any) -> list[Any]:
+    def capture(
+        device: torch.device, num_ids: int, eager: Eager, first: Any, settings: StagingSettings
+    ) -> list[Any]:
         if fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         log.append(("capture", num_ids))
@@ -250,9 +253,19 @@ def test_a_dropped_shape_waits_for_its_replays_first(monkeypatch) -> None:  # ty
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("upload_kernel", [False, True], ids=["copy-node", "upload-kernel"])
-def test_cuda_replays_are_bitwise_the_eager_calls(upload_kernel: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(captured, "UPLOAD_KERNEL", upload_kernel)
+@pytest.mark.parametrize(
+    "settings",
+    [
+        StagingSettings(),
+        StagingSettings(upload_ahead=False, upload_kernel=False),
+        StagingSettings(upload_ahead=False, upload_kernel=True),
+        StagingSettings(replay_in_c=False),
+    ],
+    ids=["upload-ahead", "copy-node", "upload-kernel", "one-by-one"],
+)
+def test_cuda_replays_are_bitwise_the_eager_calls(settings: StagingSettings, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # the wrappers' cache, with these switches, for this test only
+    monkeypatch.setattr(kernels, "CAPTURED", CapturedCalls(settings=settings))
     device = torch.device("cuda", 0)
     k, v = random_kv(5, 256 * PAGE, 4, 64, torch.bfloat16, seed=7, device=device)
     k2, v2 = random_kv(5, 256 * PAGE, 2, 64, torch.bfloat16, seed=8, device=device)

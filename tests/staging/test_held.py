@@ -16,8 +16,6 @@ from pdctl.staging import held
 from pdctl.staging.kernels import native
 
 CUDA = torch.cuda.is_available()
-# The GPU tests below are of the held calls themselves: off by the environment, skipped.
-HELD = pytest.mark.skipif(not held.ENABLED, reason="PDCTL_HELD_CUDA_CALLS=0 turns them off")
 
 
 def test_no_event_is_made_off_cuda_or_without_a_driver() -> None:
@@ -28,20 +26,8 @@ def test_no_event_is_made_off_cuda_or_without_a_driver() -> None:
         assert held.held_graph(object()) is None
 
 
-def test_switched_off_every_call_is_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PDCTL_HELD_CUDA_CALLS=0: no driver is loaded, so events and graph launches are
-    torch's, on any machine."""
-    monkeypatch.setattr(held, "ENABLED", False)
-    monkeypatch.setattr(held, "_LOADED", False)
-    monkeypatch.setattr(held, "_DRIVER", None)
-    assert held.driver() is None
-    assert held.held_event(torch.device("cuda")) is None
-    assert held.held_graph(object()) is None
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
-@HELD
 def test_held_events_order_and_time_device_work() -> None:
     device = torch.device("cuda")
     torch.cuda.synchronize()
@@ -64,7 +50,6 @@ def test_held_events_order_and_time_device_work() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
-@HELD
 def test_a_graph_launched_through_the_driver_runs_what_torch_captured() -> None:
     device = torch.device("cuda")
     values = torch.zeros(1024, device=device)
@@ -86,7 +71,6 @@ def test_a_graph_launched_through_the_driver_runs_what_torch_captured() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
-@HELD
 def test_a_held_record_does_not_wait_for_a_thread_holding_the_gil() -> None:
     """Beside a busy Python thread, each call that gives the GIL away waits for it
     (20 `time.sleep(0)` show how long); 200 held records never give it away."""

@@ -59,13 +59,13 @@ def test_page_ids_outside_the_pool_are_refused_before_any_copy(bad) -> None:
 
 
 def test_a_failed_build_says_why(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("PDCTL_NATIVE_DIR", str(tmp_path / "native"))
+    directory = tmp_path / "native"
     monkeypatch.setenv("CC", "false")
     with pytest.raises(OSError, match=r"building native_rows\.c failed"):
-        native.build()
+        native.build(directory=directory)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(OSError):
-        native.build()
+        native.build(directory=directory)
 
 
 @pytest.mark.parametrize(

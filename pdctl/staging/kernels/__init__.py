@@ -236,7 +236,7 @@ def _replayed(
     """`eager(page_indices)`, or its replay from a CUDA graph (`captured`) when the same
     call (these KV lists, this staging memory, as many ids, `params`) came back on
     CUDA with host ids; a replay's usual ids checked and launched in one C call."""
-    if not captured.ENABLED or not staging.is_cuda:
+    if not CAPTURED.enabled or not staging.is_cuda:
         return eager(page_indices)
     usual = usual_ids(k_buffers, page_indices, page_size)
     if usual is None and not _capturable(page_indices):

@@ -10,14 +10,16 @@ ids, the same page size, heads and backend) is captured, on its SIGHTS-th sight,
 a graph of the kernels reading the slot's device ids, which a copy on a stream of the
 slot's own brings from its pinned ids just before, ahead of the graph's stream (the
 copy engine works while the call before still runs; `held.HeldUpload`). Where that
-cannot be (no driver, PDCTL_STAGING_UPLOAD_AHEAD=0) the graph starts with the upload
-itself (a kernel reading the host memory, `kernels.upload`; a copy with
-PDCTL_STAGING_UPLOAD_KERNEL=0 or where the kernel cannot run). A
+cannot be (no driver, or the settings' `upload_ahead` off) the graph starts with the
+upload itself (a kernel reading the host memory, `kernels.upload`; a copy with the
+settings' `upload_kernel` off or where the kernel cannot run). A
 shape dropped (the least recently used, or its key named other tensors) first waits
 for its replays.
 A replay reads the ids the host wrote to the slot just before. The upload ahead, the
 launch and the events around them are one call into C where it builds
-(`held_replay`), five driver calls Python otherwise makes one by one. A call whose
+(`held_replay`; the settings' `replay_in_c`), five driver calls Python otherwise makes
+one by one. The switches are a `StagingSettings` handed to `CapturedCalls`
+(`staging/settings.py`), its `graphs` whether anything is captured. A call whose
 ids are a replay's usual ones (`pages.usual_ids`) goes further (`replay_usual`): the
 slot's wait and the page check are in that C call too, so a replay is a lookup and
 one call; the ids it refuses take the path below, which names what is wrong.
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -49,24 +50,13 @@ import torch
 
 from pdctl.staging import held, held_replay
 from pdctl.staging.kernels.base import keeping
+from pdctl.staging.settings import StagingSettings
 
 log = logging.getLogger("pdctl.staging")
 
 SIGHTS = 3  # eager calls of a shape before the next one captures it
 SLOTS = 4  # graphs per shape, replayed in turn
 MAX_SHAPES = 32  # per thread; the least recently used shape is dropped
-ENABLED = os.environ.get("PDCTL_STAGING_GRAPHS", "1") != "0"
-# The ids' upload inside a graph: the upload kernel (`kernels.upload`, 5-9 us less a
-# replay on an H200), or with 0 a copy node. It faulted in 2 of 9 staging bench runs
-# while its compile run could race the eager call (`_uploader`); 0 of 20 since
-# (docs/benchmarks.md, session 15).
-UPLOAD_KERNEL = os.environ.get("PDCTL_STAGING_UPLOAD_KERNEL", "1") != "0"
-# The ids' upload ahead of the graph instead: a copy on a stream of the slot's own that
-# the graph's stream waits for, so the copy engine brings a call's ids while the call
-# before still runs (the upload kernel cost each replay 5.5 us of an H200's 65 us on
-# 28 x 2 x 128; docs/benchmarks.md, session 16). Through the driver only (`held`);
-# PDCTL_STAGING_UPLOAD_AHEAD=0, or no driver: the upload inside the graph, as above.
-UPLOAD_AHEAD = os.environ.get("PDCTL_STAGING_UPLOAD_AHEAD", "1") != "0"
 
 T = TypeVar("T")
 MISSED: Any = object()  # `replay_usual` could not replay: the caller arms the call
@@ -98,8 +88,9 @@ class Slot(Protocol[T_co]):
         through `ids` says why)."""
 
 
-# (device, number of ids, the eager call, the value its eager call gave) -> the slots
-Capture = Callable[[torch.device, int, Eager, Any], list[Slot[Any]]]
+# (device, number of ids, the eager call, the value its eager call gave, the switches)
+# -> the slots
+Capture = Callable[[torch.device, int, Eager, Any, StagingSettings], list[Slot[Any]]]
 
 
 @dataclass
@@ -130,9 +121,18 @@ class _Shape:
 class CudaSlot:
     """One captured graph: its pinned ids, the device ids it uploads them to, and the
     event behind its last replay. A replay gives the value the captured call gave
-    (`body`; for a gather or scatter its byte count, the same on every replay)."""
+    (`body`; for a gather or scatter its byte count, the same on every replay). The
+    upload ahead (through the driver only, `held`), the upload kernel inside the graph
+    where there is none, and the replay's one C call each where `settings` has it on."""
 
-    def __init__(self, device: torch.device, num_ids: int, eager: Eager, pool: Any) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        num_ids: int,
+        eager: Eager,
+        pool: Any,
+        settings: StagingSettings,
+    ) -> None:
         self.ids = torch.empty(num_ids, dtype=torch.int64, pin_memory=True)
         self.device_ids = torch.empty(num_ids, dtype=torch.int64, device=device)
         self.device = device
@@ -144,11 +144,13 @@ class CudaSlot:
         self.used = False
         self.graph = torch.cuda.CUDAGraph()  # cuda-only: graphs are CUDA's
         stream = torch.cuda.Stream(device)  # cuda-only: graphs are CUDA's
-        self.ahead = held.held_upload(device) if UPLOAD_AHEAD else None
+        self.ahead = held.held_upload(device) if settings.upload_ahead else None
         if self.ahead is not None:  # `device_ids` may be memory the caller's stream still
             # reads (an eager call's freed temporaries): the first copy goes after that work
             self.ahead.stream.wait_stream(torch.cuda.current_stream(device))  # cuda-only: too
-        upload = None if self.ahead is not None else _uploader(self.ids, self.device_ids)
+        upload = None
+        if self.ahead is None:
+            upload = _uploader(self.ids, self.device_ids, kernel=settings.upload_kernel)
         capturing = torch.cuda.graph(  # cuda-only: graphs are CUDA's
             self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"
         )
@@ -163,7 +165,7 @@ class CudaSlot:
         self.upload_args = (self.device_ids.data_ptr(), self.ids.data_ptr(), self.ids.nbytes)
         # the upload, launch and events of a replay in one call into C, where it builds
         self.one_call = None
-        if self.launcher is not None and self.ahead is not None:
+        if settings.replay_in_c and self.launcher is not None and self.ahead is not None:
             assert isinstance(self.done, held.HeldEvent)
             self.one_call = held_replay.held_replay(
                 self.ahead, self.launcher, self.done, self.upload_args
@@ -206,10 +208,10 @@ class CudaSlot:
         return True
 
 
-def _uploader(pinned: torch.Tensor, target: torch.Tensor) -> Callable[[], object]:
-    """What brings a slot's ids to the device inside its graph: the upload kernel
-    (`kernels.upload`, compiled and run once here before the capture), or a copy where
-    it cannot run.
+def _uploader(pinned: torch.Tensor, target: torch.Tensor, kernel: bool) -> Callable[[], object]:
+    """What brings a slot's ids to the device inside its graph: with `kernel` the upload
+    kernel (`kernels.upload`, compiled and run once here before the capture), or a copy
+    without or where it cannot run.
 
     The run before the capture is on the caller's stream, behind the eager call that may
     still be running there: `target` was just allocated on that stream, possibly in
@@ -217,7 +219,7 @@ def _uploader(pinned: torch.Tensor, target: torch.Tensor) -> Callable[[], object
     a side stream (until session 15) it could overwrite them under the running call,
     which would then read garbage ids: the illegal-address faults seen in 2 of 9 staging
     bench runs with the kernel on, and none in 20 since (docs/benchmarks.md, session 15)."""
-    if not UPLOAD_KERNEL:
+    if not kernel:
         return lambda: target.copy_(pinned, non_blocking=True)
     try:
         from pdctl.staging.kernels.upload import upload
@@ -229,8 +231,10 @@ def _uploader(pinned: torch.Tensor, target: torch.Tensor) -> Callable[[], object
         return lambda: target.copy_(pinned, non_blocking=True)
 
 
-def capture_cuda(device: torch.device, num_ids: int, eager: Eager, first: Any) -> list[Slot[Any]]:
-    return capture_slots(device, lambda pool: CudaSlot(device, num_ids, eager, pool))
+def capture_cuda(
+    device: torch.device, num_ids: int, eager: Eager, first: Any, settings: StagingSettings
+) -> list[Slot[Any]]:
+    return capture_slots(device, lambda pool: CudaSlot(device, num_ids, eager, pool, settings))
 
 
 def capture_slots(device: torch.device, slot: Callable[[Any], Slot[Any]]) -> list[Slot[Any]]:
@@ -242,14 +246,33 @@ def capture_slots(device: torch.device, slot: Callable[[Any], Slot[Any]]) -> lis
 
 class CapturedCalls(Generic[T]):
     """`arm(key, ...)()`: the checked call `eager`, replayed from a graph once its shape
-    came back SIGHTS times (see the module's docstring)."""
+    came back SIGHTS times (see the module's docstring), as `settings` says (its
+    `graphs` off: never captured, the caller's `enabled` says so)."""
 
-    def __init__(self, capture: Capture = capture_cuda, sights: int = SIGHTS) -> None:
+    def __init__(
+        self,
+        capture: Capture = capture_cuda,
+        sights: int = SIGHTS,
+        *,
+        settings: StagingSettings | None = None,
+    ) -> None:
         self._capture = capture
         self._sights = sights
+        self.settings = settings if settings is not None else StagingSettings()
         self._local = threading.local()
         self.captures = 0  # shapes captured (all threads)
         self.replays = 0
+
+    def configured(self, settings: StagingSettings) -> CapturedCalls[T]:
+        """A fresh cache of the same capture with these switches (for a benchmark's
+        side-by-side: nothing captured before is kept)."""
+        return CapturedCalls(self._capture, self._sights, settings=settings)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether calls are captured at all (the settings' `graphs`): the caller checks
+        before it arms, and goes the eager way without."""
+        return self.settings.graphs
 
     def _shapes(self) -> OrderedDict[tuple[Any, ...], _Shape]:
         shapes = getattr(self._local, "shapes", None)
@@ -342,7 +365,7 @@ class CapturedCalls(Generic[T]):
         self, shape: _Shape, device: torch.device, num_ids: int, eager: Eager, first: Any
     ) -> bool:
         try:
-            shape.slots = self._capture(device, num_ids, eager, first)
+            shape.slots = self._capture(device, num_ids, eager, first, self.settings)
             self.captures += 1
             return True
         except Exception as exc:  # the shape goes the eager way from now on

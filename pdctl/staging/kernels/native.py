@@ -5,10 +5,10 @@ torch's CPU index ops move a page-1 layout's rows (a few hundred bytes each, at
 random places in the pool) at 0.3-0.5 of a plain copy's rate; a memcpy per row with
 the next rows prefetched moves them at 0.6-0.9 (`pdctl bench staging --device cpu`,
 docs/benchmarks.md). The library is compiled once per source version with the
-host's C compiler (`CC`, else cc or gcc) into PDCTL_NATIVE_DIR (default
-~/.cache/pdctl/native), written to a temporary name and renamed, so concurrent
+host's C compiler (`CC`, else cc or gcc) into the settings' `native_dir`
+(`staging/settings.py`), written to a temporary name and renamed, so concurrent
 processes never load half a file. `available()` says why it is not there when it
-is not (`pdctl doctor` shows it); PDCTL_NATIVE_STAGING=0 turns it off.
+is not (`pdctl doctor` shows it).
 `benchmarks/native_rows_ab.py` times builds of the C source side by side.
 
 The C code trusts its arguments, so `copy_rows` checks them first: buffers of
@@ -32,24 +32,29 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdctl.staging.settings import process_settings
+
 SOURCE = Path(__file__).with_name("native_rows.c")
-ENABLED = os.environ.get("PDCTL_NATIVE_STAGING", "1") != "0"
 THREAD_BYTES = 1 << 20  # below this many bytes a thread more costs more than it saves
 
 
 def library_dir() -> Path:
-    configured = os.environ.get("PDCTL_NATIVE_DIR")
-    if configured:
-        return Path(configured)
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "pdctl" / "native"
+    """Where this process's compiled helpers go (its settings' `native_dir`)."""
+    return process_settings().library_dir()
 
 
-def build(source: Path = SOURCE, stem: str = "staging-rows", flags: Sequence[str] = ()) -> Path:
+def build(
+    source: Path = SOURCE,
+    stem: str = "staging-rows",
+    flags: Sequence[str] = (),
+    *,
+    directory: Path | None = None,
+) -> Path:
     """The compiled library of `source` (built on first use, with `flags` besides -O3 and
-    the threading ones); raises OSError saying why it cannot be."""
+    the threading ones) in `directory` (default `library_dir()`); raises OSError saying
+    why it cannot be."""
     digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-    target = library_dir() / f"{stem}-{digest}.so"
+    target = (directory or library_dir()) / f"{stem}-{digest}.so"
     if target.exists():
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -72,8 +77,6 @@ def build(source: Path = SOURCE, stem: str = "staging-rows", flags: Sequence[str
 
 @functools.cache
 def _library() -> tuple[Any, str]:  # (the library or None, why)
-    if not ENABLED:
-        return None, "turned off (PDCTL_NATIVE_STAGING=0)"
     try:
         library = ctypes.CDLL(str(build()))
     except OSError as exc:

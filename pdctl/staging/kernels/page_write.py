@@ -33,7 +33,6 @@ from pdctl.staging.kernels import (
     PendingDigests,
     _backend_for,
     _check_heads,
-    captured,
     check_segments,
     prepare_kv,
     start_page_digests,
@@ -41,6 +40,7 @@ from pdctl.staging.kernels import (
 from pdctl.staging.kernels.captured import CapturedCalls, CudaSlot, Eager, capture_slots
 from pdctl.staging.kernels.kvset import KVInfo
 from pdctl.staging.kernels.pages import PageIndices, check_host_pages
+from pdctl.staging.settings import StagingSettings
 
 P = ParamSpec("P")
 
@@ -357,10 +357,18 @@ class WriteSlot(CudaSlot):
     the slot is written again, the last ones it handed out are read (so a new replay
     never overwrites sums a caller has yet to see)."""
 
-    def __init__(self, device: torch.device, num_ids: int, eager: Eager, pool: Any, sums: int):
+    def __init__(
+        self,
+        device: torch.device,
+        num_ids: int,
+        eager: Eager,
+        pool: Any,
+        sums: int,
+        settings: StagingSettings,
+    ) -> None:
         self.host = torch.empty(sums, dtype=torch.int64, pin_memory=True)
         self.last: PendingDigests | None = None
-        super().__init__(device, num_ids, eager, pool)
+        super().__init__(device, num_ids, eager, pool, settings)
 
     def body(self, eager: Eager, device_ids: torch.Tensor) -> Any:
         pending = eager(device_ids)
@@ -387,8 +395,12 @@ class WriteSlot(CudaSlot):
         super().wait()
 
 
-def _capture_writes(
-    device: torch.device, num_ids: int, eager: Eager, first: PendingDigests | int
+def capture_writes(
+    device: torch.device,
+    num_ids: int,
+    eager: Eager,
+    first: PendingDigests | int,
+    settings: StagingSettings,
 ) -> list[Any]:
     """The slots of a write shape (`first`: the sums its writes give, or an eager
     write's digests, whose sums say it)."""
@@ -397,14 +409,16 @@ def _capture_writes(
     else:
         assert first.sums is not None
         sums = first.sums.numel()
-    return capture_slots(device, lambda pool: WriteSlot(device, num_ids, eager, pool, sums))
+    return capture_slots(
+        device, lambda pool: WriteSlot(device, num_ids, eager, pool, sums, settings)
+    )
 
 
-WRITES: CapturedCalls[PendingDigests] = CapturedCalls(capture=_capture_writes)
+WRITES: CapturedCalls[PendingDigests] = CapturedCalls(capture=capture_writes)
 
 
 def _capturable(device: torch.device) -> bool:
-    return captured.ENABLED and device.type == "cuda"
+    return WRITES.enabled and device.type == "cuda"
 
 
 def _joined(parts: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int]]]:

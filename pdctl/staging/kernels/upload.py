@@ -11,9 +11,9 @@ unified addressing) the upload stays on the compute engine: 65.2 us for both
 the staging kernel then reads the device copy (a staging kernel reading the pinned
 ids itself would fetch each one once per buffer).
 
-Inside the graph where the ids cannot be copied ahead of it (`captured.UPLOAD_AHEAD`,
-the default since session 16); there the default (`captured.UPLOAD_KERNEL`;
-PDCTL_STAGING_UPLOAD_KERNEL=0 takes a copy node).
+Used inside the graph where the ids cannot be copied ahead of it (the upload ahead,
+`StagingSettings.upload_ahead`, is the default since session 16); there it is the
+default (`StagingSettings.upload_kernel`; off, a copy node).
 It faulted with an illegal memory access in two profile runs of session 14 and in 2 of
 9 `pdctl bench staging` runs of session 15: its compile run before a capture wrote a
 slot's fresh device ids on a side stream, under the eager call still running

@@ -410,13 +410,6 @@ class Transport(ABC):
             self._notifications.append(notification)
             self._notified.notify_all()
 
-    def poll_notifications(self) -> list[Notification]:
-        self._poll()
-        with self._lock:
-            found = list(self._notifications)
-            self._notifications.clear()
-        return found
-
     def take_notification(self, message: bytes, *, prefix: bool = False) -> Notification | None:
         """The queued notification with this message (or starting with it), taken out;
         None at once when there is none."""

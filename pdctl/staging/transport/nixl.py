@@ -11,7 +11,6 @@ import base64
 import contextlib
 import importlib
 import logging
-import os
 import sys
 import threading
 import time
@@ -99,10 +98,8 @@ class NixlTransport(Transport):
             # per process on a CPU box). Instead a pump thread polls for notifications
             # every PUMP_S, which also progresses the backend (over UCX's TCP transport
             # the target side must progress for a write to land).
-            # PDCTL_NIXL_PROGRESS_THREAD=1 brings NIXL's thread back (and no pump).
-            self.native_progress = os.environ.get("PDCTL_NIXL_PROGRESS_THREAD") == "1"
             agent_config = api.nixl_agent_config(
-                enable_prog_thread=self.native_progress,
+                enable_prog_thread=False,
                 backends=[config.nixl_backend],
                 # sender and receiver threads share the agent
                 sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
@@ -115,12 +112,10 @@ class NixlTransport(Transport):
         self.peer_names: dict[str, str] = {}  # NIXL agent name -> pdctl peer name
         self.reg_descs: dict[int, Any] = {}
         self._pump_stop = threading.Event()
-        self._pump: threading.Thread | None = None
-        if not self.native_progress:
-            self._pump = threading.Thread(
-                target=self._run_pump, name=f"pdctl-nixl-pump-{config.name}", daemon=True
-            )
-            self._pump.start()
+        self._pump: threading.Thread | None = threading.Thread(
+            target=self._run_pump, name=f"pdctl-nixl-pump-{config.name}", daemon=True
+        )
+        self._pump.start()
 
     PUMP_S = 0.0005
 

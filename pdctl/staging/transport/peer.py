@@ -10,7 +10,7 @@ answers JSON commands read from stdin, one line each:
     {"cmd": "fill", "value": v}                      -> {"ok": true}
     {"cmd": "exit"}                                  -> exits
 
-The per-run secret comes from PDCTL_RUN_SECRET in the environment, never argv.
+The per-run secret comes from the environment (`settings.RUN_SECRET_VAR`), never argv.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pdctl.staging.settings import RUN_SECRET_VAR, run_secret
 from pdctl.staging.transport import TransportConfig, TransportError, create_transport
 
 
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> None:
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    secret = os.environ.get("PDCTL_RUN_SECRET", "").encode()
+    secret = run_secret(os.environ)
     config = TransportConfig(
         args.name, port=args.port, secret=secret, transfer_timeout_s=args.timeout,
         same_host_fast_path=not args.no_fast_path,
@@ -116,7 +117,7 @@ class PeerProcess:
         ]  # fmt: skip
         if not fast_path:
             argv.append("--no-fast-path")
-        env = {**os.environ, "PDCTL_RUN_SECRET": secret.decode()}
+        env = {**os.environ, RUN_SECRET_VAR: secret.decode()}
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
             start_new_session=True,
