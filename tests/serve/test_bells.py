@@ -85,15 +85,14 @@ def test_offers_fit_the_box_and_tickets_come_back() -> None:
             )
 
 
-def test_only_pdctls_own_transport_offers_doorbells(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_pdctls_own_transport_offers_doorbells() -> None:
     kv = _pool()
     tcp = create_transport("tcp", TransportConfig("decode"))
     try:
         found = Bells.for_receiver(tcp, kv, "decode")
         assert found is not None and found.box.capacity == 2 * 3 * pd_bells.MAX_SEGMENTS
         found.box.close()
-        monkeypatch.setattr(pd_bells, "ENABLED", False)
-        assert Bells.for_receiver(tcp, kv, "decode") is None
+        assert Bells.for_receiver(tcp, kv, "decode", enabled=False) is None
     finally:
         tcp.close()
 
@@ -106,3 +105,4 @@ def test_a_box_that_cannot_be_opened_is_remembered(caplog: pytest.LogCaptureFixt
         with caplog.at_level("INFO", logger="pdctl.serve"):
             assert ringers.open(wrong) is None and ringers.open(wrong) is None
         assert caplog.text.count("cannot be opened") == 1
+        assert Ringers(enabled=False).open(box.info) is None  # off: every writer notifies

@@ -1,100 +1,22 @@
-"""The mapped write's host-side accounting: the garbage collector's clock and the
-enqueue profile a server logs (PDCTL_WRITE_PROFILE)."""
+"""The mapped write's path (arm, fire, finish) and the observer a benchmark attaches to it."""
 
 from __future__ import annotations
 
-import gc
-import logging
-import threading
-import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
 from pdctl.serve.engine.kv_pool import KVPool
-from pdctl.serve.pd import mapped_write
 from pdctl.serve.pd import protocol as proto
-from pdctl.serve.pd.mapped_write import EnqueueProfile, GcClock, MappedWriter, RoomWrite
+from pdctl.serve.pd.mapped_write import MappedWriter, RoomWrite, StartedWrite
 from pdctl.staging.doorbell import DIGESTS, BellBox
 from pdctl.staging.kernels import page_digests
 from pdctl.staging.layout import StagingLayout, head_slices
 from pdctl.staging.transport import Peer
 
-BUSY = sum(i * i for i in range(20_000))
-
-
-def _busy_enqueue_part() -> int:
-    return sum(i * i for i in range(20_000))
-
-
-def _another_threads_work() -> None:
-    for _ in range(50):
-        sum(range(1000))
-        time.sleep(0.001)
-
-
-def test_gc_clock_counts_this_threads_collections() -> None:
-    clock = GcClock()
-    clock.install()
-    clock.install()  # once only
-    try:
-        assert gc.callbacks.count(clock._callback) == 1
-        before = clock.seconds()
-        for _ in range(3):
-            gc.collect()
-        assert clock.seconds() > before
-    finally:
-        gc.callbacks.remove(clock._callback)
-
-
-def test_enqueue_profile_logs_the_functions_after_its_count(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    profile = EnqueueProfile(2)
-    other = threading.Thread(target=_another_threads_work)
-    with caplog.at_level(logging.INFO, logger="pdctl.serve"):
-        assert profile.run(_busy_enqueue_part) == BUSY
-        assert "enqueue profile" not in caplog.text  # one of two so far
-        other.start()
-        assert profile.run(_busy_enqueue_part) == BUSY
-        other.join()
-        assert profile.run(_busy_enqueue_part) == BUSY  # past its count: unprofiled
-    reports = [r for r in caplog.records if "enqueue profile" in r.getMessage()]
-    assert len(reports) == 1
-    text = reports[0].getMessage()
-    assert "_busy_enqueue_part" in text
-    assert "_another_threads_work" not in text  # only the calling thread's calls
-    assert "function calls" in text
-    assert profile.left == 0
-
-
-def test_enqueue_profile_off_by_default(caplog: pytest.LogCaptureFixture) -> None:
-    profile = EnqueueProfile(0)
-    with caplog.at_level(logging.INFO, logger="pdctl.serve"):
-        assert profile.run(_busy_enqueue_part) == BUSY
-    assert caplog.text == "" and profile.stats is None
-
-
-@pytest.mark.parametrize(("raw", "count"), [("", 0), ("0", 0), ("5", 5), ("-3", 0), ("x", 0)])
-def test_write_profile_count_parsed(raw: str, count: int, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="pdctl.serve"):
-        assert mapped_write._profiled_count(raw) == count
-    assert ("not a count" in caplog.text) == (raw == "x")
-
-
-def test_a_profiled_method_gets_its_arguments_and_gives_its_result() -> None:
-    class Writer:
-        def __init__(self) -> None:
-            self.profile = EnqueueProfile(1)
-
-        @mapped_write._profiled
-        def start(self, room: int, pages: list[int], *, peer: str = "") -> tuple:
-            return room, pages, peer
-
-    writer = Writer()
-    assert writer.start(7, [1, 2], peer="decode") == (7, [1, 2], "decode")  # profiled
-    assert writer.profile.left == 0 and writer.profile.stats is not None
-    assert writer.start(8, []) == (8, [], "")  # past the count
+T = TypeVar("T")
 
 
 # -- arm, fire, finish: the write's path with a stand-in transport that maps a "decode"
@@ -106,7 +28,8 @@ class MappingTransport:
     """`mapped_view` over a pool of this process; notifications recorded."""
 
     def __init__(self, pool: KVPool) -> None:
-        self.pool, self.notices = pool, []
+        self.pool = pool
+        self.notices: list[bytes] = []
 
     def mapped_view(self, peer: Peer, address: int) -> torch.Tensor:
         whole = self.pool.kv.view(-1).view(torch.uint8)
@@ -116,13 +39,35 @@ class MappingTransport:
         self.notices.append(notice)
 
 
-def _mapped_room(bell: bool):  # type: ignore[no-untyped-def]
+class Recorder:
+    """An observer that records what it ran and heard."""
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+
+    def arming(self, arm: Callable[[], T]) -> T:
+        self.calls.append("arm")
+        return arm()
+
+    def firing(self, fire: Callable[[], T]) -> T:
+        self.calls.append("fire")
+        return fire()
+
+    def finished(self, started: StartedWrite, told: str, inline: bool, *seconds: float) -> None:
+        self.calls.append((started.room, told, inline))
+
+
+def _mapped_room(bell: bool, observer: Any = None):  # type: ignore[no-untyped-def]
     prefill = KVPool(2, 64, 2, 8, 4, torch.float32, torch.device("cpu"))
     decode = KVPool(2, 64, 2, 8, 4, torch.float32, torch.device("cpu"))
     generator = torch.Generator().manual_seed(3)
     prefill.kv.copy_(torch.randn(prefill.kv.shape, generator=generator))
     transport = MappingTransport(decode)
-    writer = MappedWriter(0, prefill, transport)  # type: ignore[arg-type]
+    writer = (
+        MappedWriter(0, prefill, transport)  # type: ignore[arg-type]
+        if observer is None
+        else MappedWriter(0, prefill, transport, observer=observer)  # type: ignore[arg-type]
+    )
     layout = StagingLayout(2, 8, 4, head_slices(2, 1, 1, 0))
     box = BellBox(4, 64) if bell else None
     registration = proto.Registration(
@@ -166,3 +111,13 @@ def test_an_armed_write_lands_when_fired_and_decode_is_told(bell: bool) -> None:
     else:
         assert len(transport.notices) == 1
         assert proto.parse_notify(transport.notices[0])["digests"] == expected
+
+
+def test_an_observer_runs_the_arm_and_the_launch_and_hears_the_write() -> None:
+    recorder = Recorder()
+    _, _, transport, writer, layout, registration, peer, _ = _mapped_room(False, recorder)
+    armed = writer.arm(RoomWrite(5, [2, 7, 4], registration, layout, 0, peer))
+    assert armed is not None
+    writer.finish(armed.fire(), inline=True)
+    assert recorder.calls == ["arm", "fire", (5, "notification", True)]
+    assert len(transport.notices) == 1

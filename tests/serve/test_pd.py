@@ -395,12 +395,12 @@ def test_corrupted_kv_is_caught_by_the_digest() -> None:
 def test_without_doorbells_a_direct_room_is_told_by_message(
     reference: dict[str, list[int]], side: str
 ) -> None:
-    """Decode offers no doorbell (PDCTL_BELLS=0 there), or prefill cannot ring the one
-    offered (PDCTL_BELLS=0 on prefill: as a writer on another host): the notification
+    """Decode offers no doorbell (--no-bells there), or prefill cannot ring the one
+    offered (--no-bells on prefill: as a writer on another host): the notification
     carries the digests, and decode hears it while it also watches its doorbell."""
-    off = {"PDCTL_BELLS": "0"}
-    env = {"prefill_env": off} if side == "prefill" else {"decode_env": off}
-    with pd_cluster(prefill_tp=1, decode_tp=2, staging=False, **env) as cluster:  # type: ignore[arg-type]
+    off = ("--no-bells",)
+    extra = {"prefill_extra": off} if side == "prefill" else {"decode_extra": off}
+    with pd_cluster(prefill_tp=1, decode_tp=2, staging=False, **extra) as cluster:  # type: ignore[arg-type]
         for prompt in PROMPTS[:2]:
             result = generate(cluster, prompt)
             assert result["output_ids"] == reference[json.dumps(prompt)]

@@ -5,8 +5,8 @@ decode offers one ticket per writer in its registration (`protocol.BellOffer`), 
 prefill rank that can open decode's box rings its ticket once the room's pages
 landed: from the device at the end of the mapped write's launch, or from the host
 after a write by descriptors (`staging.doorbell`). A writer that cannot open the box
-(another host) notifies as before; decode hears either. PDCTL_BELLS=0 turns
-doorbells off (decode offers none).
+(another host) notifies as before; decode hears either. The server's `bells`
+setting, given to both, turns doorbells off (decode offers none, prefill rings none).
 
 Decode: `Bells.for_receiver` (one box per decode rank, where its transport allows
 bells), `offer`, `digests` (a ring's values as the digests a notification carries),
@@ -17,7 +17,6 @@ remembered and logged once).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import numpy as np
@@ -31,7 +30,6 @@ from pdctl.staging.layout import HeadSlice, Segment, StagingLayout
 from pdctl.staging.transport import Transport
 
 log = logging.getLogger("pdctl.serve")
-ENABLED = os.environ.get("PDCTL_BELLS", "1") != "0"
 SLOTS = 64  # rooms a decode rank receives by doorbell at once (more go by message)
 MAX_SEGMENTS = 16  # a room cut into more digest segments goes by message
 
@@ -45,8 +43,10 @@ class Bells:
         self._said_full = False
 
     @staticmethod
-    def for_receiver(transport: Transport, kv: KVPool, name: str) -> Bells | None:
-        if not (ENABLED and transport.RINGS_BELLS and futex.available()):
+    def for_receiver(
+        transport: Transport, kv: KVPool, name: str, *, enabled: bool = True
+    ) -> Bells | None:
+        if not (enabled and transport.RINGS_BELLS and futex.available()):
             return None
         try:
             box = BellBox(SLOTS, 2 * len(kv.k_buffers) * MAX_SEGMENTS)
@@ -104,7 +104,8 @@ class Bells:
 class Ringers:
     """Prefill's ends of decode boxes, each opened once (thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, enabled: bool = True) -> None:
+        self.enabled = enabled  # off: every writer notifies by message
         self._open: dict[tuple[str, int], BellRinger | None] = {}
         self._lock = threading.Lock()
 
@@ -119,7 +120,7 @@ class Ringers:
     def open(self, box: BoxInfo) -> BellRinger | None:
         """The ringer of `box`, or None where this process cannot open it (another host,
         another box at that path): the writer notifies by message."""
-        if not ENABLED:
+        if not self.enabled:
             return None
         key = (box.path, box.nonce)
         with self._lock:

@@ -15,29 +15,25 @@ doorbell (same host, `bells`), the launch rings it behind the pages
 (`kernels.bell`) and fire announces it (decode looks closely from then on): decode
 is told without the host. Otherwise the engine's thread waits for the write and
 sends the notification (`finish(inline=True)`) before it chooses the first token
-(PDCTL_NOTIFY_AT=token once the token is chosen, PDCTL_NOTIFY_AT=worker from the
-room's worker thread, `sender`). A write's time runs on the device's clock from an
-event before the launch (it fires when the forward ends) to decode being told: the
-event behind the device's ring, or one recorded once the host told decode (on an idle
-stream, so it fires at once).
+(or where the sender's `notify_at` says, `sender`). A write's time runs on the
+device's clock from an event before the launch (it fires when the forward ends) to
+decode being told: the event behind the device's ring, or one recorded once the host
+told decode (on an idle stream, so it fires at once).
+
+Measurement attaches from outside: a `WriteObserver` given to the writer runs the arm
+and the launch and hears each finished write (`NOOP` does nothing; a benchmark's
+observer profiles and times them, benchmarks/pd_write_observer.py).
 
 What this does not know: rooms, registrations' arrival, faults.
 """
 
 from __future__ import annotations
 
-import functools
-import gc
-import io
 import logging
-import os
-import profile
-import pstats
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -55,98 +51,41 @@ from pdctl.staging.transport import Peer, Transport
 
 log = logging.getLogger("pdctl.serve")
 T = TypeVar("T")
-P = ParamSpec("P")
-EXPLAINED_ROOMS = 12  # rooms whose write parts are logged (what the write time is made of)
 
 
-def _profiled_count(raw: str) -> int:
-    """PDCTL_WRITE_PROFILE=N: the first N enqueues run profiled, then logged."""
-    try:
-        return max(0, int(raw or "0"))
-    except ValueError:
-        log.warning("PDCTL_WRITE_PROFILE=%s is not a count of writes: no profile", raw)
-        return 0
+class WriteObserver(Protocol):
+    """Hooks on a writer's path: `arming` and `firing` run the arm and the launch (a
+    profiler or a clock wraps them), `finished` hears each write once decode was told
+    (how: "doorbell (device)", "doorbell (host)" or "notification"; the device's
+    seconds of the launch, the host's of the finish, the write's time)."""
+
+    def arming(self, arm: Callable[[], T]) -> T: ...
+
+    def firing(self, fire: Callable[[], T]) -> T: ...
+
+    def finished(
+        self, started: StartedWrite, told: str, inline: bool, device_s: float,
+        finish_s: float, seconds: float,
+    ) -> None: ...  # fmt: skip
 
 
-PROFILED_WRITES = _profiled_count(os.environ.get("PDCTL_WRITE_PROFILE", ""))
+class NoObserver:
+    """The default observer: runs what it is given, hears nothing."""
+
+    def arming(self, arm: Callable[[], T]) -> T:
+        return arm()
+
+    def firing(self, fire: Callable[[], T]) -> T:
+        return fire()
+
+    def finished(
+        self, started: StartedWrite, told: str, inline: bool, device_s: float,
+        finish_s: float, seconds: float,
+    ) -> None:  # fmt: skip
+        pass
 
 
-class EnqueueProfile:
-    """A profile of a writer's first `count` enqueues, on the thread that runs them;
-    once they ran, the functions that took the most time are logged (where the host's
-    enqueue time goes inside a server, which a standalone profile does not show).
-
-    The pure-Python profiler (`profile`, through sys.setprofile) sees only the calling
-    thread. cProfile would be cheaper, but from Python 3.12 it profiles every thread of
-    the process (sys.monitoring is process-wide): the HTTP side's sleeps and compiles
-    would fill the report. Its per-call overhead inflates call-heavy code; read the
-    shares, not the absolute times."""
-
-    def __init__(self, count: int, lines: int = 30) -> None:
-        self.left, self.lines = count, lines
-        self.stats: pstats.Stats | None = None
-
-    def run(self, function: Callable[[], T]) -> T:
-        if not self.left:
-            return function()
-        profiler = profile.Profile()
-        try:
-            return profiler.runcall(function)
-        finally:
-            self.left -= 1
-            if self.stats is None:
-                self.stats = pstats.Stats(profiler)
-            else:
-                self.stats.add(profiler)
-            if self.left == 0:
-                log.info("mapped write enqueue profile:\n%s", self.report())
-
-    def report(self) -> str:
-        assert self.stats is not None
-        out = io.StringIO()
-        self.stats.stream = out  # type: ignore[attr-defined]
-        self.stats.sort_stats("tottime").print_stats(self.lines)
-        return out.getvalue()
-
-
-@dataclass(frozen=True)
-class EnqueueParts:
-    """Where the host's time to enqueue a write went (seconds)."""
-
-    host: float  # in all
-    run: float  # of which this thread ran (the rest it waited: the GIL, the OS)
-    before_launch: float  # armed (lookups, checks, the ids in place), before the launch
-    collecting: float  # this thread's garbage collections meanwhile
-
-
-class GcClock:
-    """Seconds each thread spent in the garbage collector (a `gc.callbacks` entry,
-    installed once): what a Python collection adds to a write's host time."""
-
-    def __init__(self) -> None:
-        self._started: dict[int, float] = {}
-        self._spent: dict[int, float] = {}
-        self._installed = False
-
-    def install(self) -> None:
-        if not self._installed:
-            self._installed = True
-            gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        thread = threading.get_ident()
-        if phase == "start":
-            self._started[thread] = time.perf_counter()
-        elif thread in self._started:
-            spent = time.perf_counter() - self._started.pop(thread)
-            self._spent[thread] = self._spent.get(thread, 0.0) + spent
-
-    def seconds(self) -> float:
-        """This thread's seconds in collections so far."""
-        return self._spent.get(threading.get_ident(), 0.0)
-
-
-GC = GcClock()
+NOOP = NoObserver()
 
 
 @dataclass
@@ -159,7 +98,6 @@ class StartedWrite:
     began: Any  # device event before the launch (timing)
     ended: Any  # device event after it
     nbytes: int
-    parts: EnqueueParts  # the host's enqueue
     bell: RoomBell | None = None  # where decode hears of it (None: a notification)
     done_s: float | None = None  # the write's seconds, once `finish` sent its notification
 
@@ -204,12 +142,12 @@ class ArmedWrite:
     nbytes: int
     bell: RoomBell | None
     device: torch.device
-    host_s: float  # the arm's host seconds
-    run_s: float  # of which this thread ran
-    collecting_s: float
+    observer: WriteObserver = NOOP
 
     def fire(self) -> StartedWrite:
-        began_s, began_cpu, began_gc = time.perf_counter(), time.thread_time(), GC.seconds()
+        return self.observer.firing(self._fire)
+
+    def _fire(self) -> StartedWrite:
         stream = dev.current_device_stream(self.device)
         began, ended = _timing_event(self.device), _timing_event(self.device)
         began.record(stream)
@@ -217,43 +155,30 @@ class ArmedWrite:
         if not pending.rung:
             pending.stage_to_host()  # the digests reach pinned host memory behind the write
         ended.record(stream)
-        ended_s = time.perf_counter()
-        parts = EnqueueParts(
-            self.host_s + ended_s - began_s, self.run_s + time.thread_time() - began_cpu,
-            self.host_s, self.collecting_s + GC.seconds() - began_gc,
-        )  # fmt: skip
-        started = StartedWrite(
-            self.room, self.peer, pending, began, ended, self.nbytes, parts, self.bell
-        )
+        started = StartedWrite(self.room, self.peer, pending, began, ended, self.nbytes, self.bell)
         if started.rang and self.bell is not None:
             self.bell.ringer.announce(self.bell.ticket)  # decode looks closely from now on
         return started
 
 
-def _profiled(
-    method: Callable[Concatenate[MappedWriter, P], T],
-) -> Callable[Concatenate[MappedWriter, P], T]:
-    """The method run under its writer's `EnqueueProfile`."""
-
-    @functools.wraps(method)
-    def run(self: MappedWriter, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self.profile.run(functools.partial(method, self, *args, **kwargs))
-
-    return run
-
-
 class MappedWriter:
-    def __init__(self, rank: int, kv: KVPool, transport: Transport) -> None:
+    def __init__(
+        self,
+        rank: int,
+        kv: KVPool,
+        transport: Transport,
+        *,
+        bells: bool = True,
+        observer: WriteObserver = NOOP,
+    ) -> None:
         self.rank, self.kv, self.transport = rank, kv, transport
         self.pools = MappedPools(transport)  # decode pools this transport maps here
-        self.ringers = Ringers()  # decode doorbell boxes opened here
-        self.explained = 0
-        self.profile = EnqueueProfile(PROFILED_WRITES)
-        GC.install()
+        self.ringers = Ringers(enabled=bells)  # decode doorbell boxes opened here
+        self.observer = observer
 
     def warm(self) -> None:
         """Compile the write's kernels now, before any request pays for it (Triton's
-        compile took 408 ms of a first request on a host with an empty cache): the
+        compile, on a host with an empty cache, docs/benchmarks.md): the
         pages of this pool's scratch page written onto themselves, digested, and a
         doorbell box of this process rung from the device. Equal TP's slice (every
         head) is the one warmed; a failure is logged, and the first write compiles."""
@@ -287,12 +212,12 @@ class MappedWriter:
         armed = self.arm(write)
         return None if armed is None else armed.fire()
 
-    @_profiled
     def arm(self, write: RoomWrite) -> ArmedWrite | None:
         """The write's host work, up to its launch (None: decode's pool is not mapped
-        here, or its rows differ from ours; the caller writes by descriptors). The
-        first PROFILED_WRITES run under the writer's profile."""
-        began_s, began_cpu, began_gc = time.perf_counter(), time.thread_time(), GC.seconds()
+        here, or its rows differ from ours; the caller writes by descriptors)."""
+        return self.observer.arming(lambda: self._arm(write))
+
+    def _arm(self, write: RoomWrite) -> ArmedWrite | None:
         reg, layout, pages = write.reg, write.layout, write.pages
         first = self.kv.k_buffers[0]
         if reg.head_dim != first.shape[2] or reg.elem_bytes != first.element_size():
@@ -317,11 +242,7 @@ class MappedWriter:
             page_size=self.kv.page_size, bell=device_bell,
         )  # fmt: skip
         nbytes = layout.block_bytes(write.writer, len(pages) * self.kv.page_size)
-        return ArmedWrite(
-            write.room, write.peer, launch, nbytes, bell, first.device,
-            time.perf_counter() - began_s,
-            time.thread_time() - began_cpu, GC.seconds() - began_gc,
-        )  # fmt: skip
+        return ArmedWrite(write.room, write.peer, launch, nbytes, bell, first.device, self.observer)
 
     def _bell(self, reg: proto.Registration, writer: int, device: torch.device) -> RoomBell | None:
         """This writer's doorbell where decode offered one and its box opens here."""
@@ -343,9 +264,9 @@ class MappedWriter:
         decode was told from here. That stream is idle then (inline: the engine's,
         once the first token is chosen; else a worker's own), so the event fires at
         once and every host step in between counts, the worker's wake-up included.
-        inline only names the caller in the log."""
+        inline only names the caller to the observer."""
         started.ended.synchronize()  # the bytes are in decode's pool
-        began_s, began_cpu = time.perf_counter(), time.thread_time()
+        began_s = time.perf_counter()
         bell = started.bell
         device = self.kv.k_buffers[0].device
         if started.rang:
@@ -362,38 +283,15 @@ class MappedWriter:
             told = _timing_event(device)
             told.record(dev.current_device_stream(device))
             told.synchronize()
-        finish_s, finish_cpu = time.perf_counter() - began_s, time.thread_time() - began_cpu
+        finish_s = time.perf_counter() - began_s
         seconds = started.began.elapsed_time(told) / 1e3
         device_s = started.began.elapsed_time(started.ended) / 1e3
-        self._explain(started, inline, device_s, finish_s, finish_cpu, seconds)
+        how = "doorbell (device)" if started.rang else (
+            "doorbell (host)" if bell is not None else "notification"
+        )  # fmt: skip
+        self.observer.finished(started, how, inline, device_s, finish_s, seconds)
         started.done_s = seconds
         return seconds
-
-    def _explain(
-        self,
-        started: StartedWrite,
-        inline: bool,
-        device_s: float,
-        finish_s: float,
-        finish_cpu: float,
-        seconds: float,
-    ) -> None:
-        """The parts of the first rooms' writes, logged (what the write time is made of)."""
-        if self.explained >= EXPLAINED_ROOMS:
-            return
-        self.explained += 1
-        parts = started.parts
-        told = "doorbell (device)" if started.rang else (
-            "doorbell (host)" if started.bell else "notification"
-        )  # fmt: skip
-        log.info(
-            "room %s: mapped write%s: enqueue %.0f us (host; %.0f us run by this thread, "
-            "%.0f us armed before, %.0f us collecting garbage), first to last event "
-            "%.0f us (device), %s %.0f us (host; %.0f us run), the write's time %.0f us",
-            started.room, " (engine thread)" if inline else "", parts.host * 1e6,
-            parts.run * 1e6, parts.before_launch * 1e6, parts.collecting * 1e6,
-            device_s * 1e6, told, finish_s * 1e6, finish_cpu * 1e6, seconds * 1e6,
-        )  # fmt: skip
 
 
 def _timing_event(device: torch.device) -> Any:

@@ -188,10 +188,6 @@ def notify_prefix(room: int, segment: int, writer: int) -> bytes:
     return f"pd:{room}:{segment}:{writer}|".encode()
 
 
-def error_prefix(room: int) -> bytes:
-    return f"pd:{room}:error|".encode()
-
-
 def notify_message(room: int, segment: int, writer: int, digests: list[int], nbytes: int) -> bytes:
     return (
         notify_prefix(room, segment, writer)

@@ -76,6 +76,7 @@ class KVReceiver:
         segment_bytes: int,
         bootstrap_timeout: float,
         transfer_timeout: float,
+        bells: bool = True,
     ) -> None:
         self.rank, self.tp, self.name, self.kv = rank, tp, name, kv
         self.transport, self.report, self.staging = transport, report, staging
@@ -111,7 +112,8 @@ class KVReceiver:
         # longer than any send of prefill can last (each of its waits is bounded by these)
         bound_s = 2 * (bootstrap_timeout + transfer_timeout) + 10.0
         self.fence = Fence(name, self.client, bound_s)
-        self.bells = Bells.for_receiver(transport, kv, name)  # None: notifications only
+        # None: notifications only
+        self.bells = Bells.for_receiver(transport, kv, name, enabled=bells)
 
     # -- helpers ---------------------------------------------------------------------
     def client(self, address: str) -> Client:

@@ -15,11 +15,10 @@ each token's head slice) straight into decode's KV pages and tell decode
 Where the transport maps decode's pool here, one launch writes and digests the pages
 (`mapped_write`). When decode registered in time, that launch is armed before the
 forward computing the prompt's last piece is enqueued (`arm`) and fired right behind
-it on the thread that enqueued it; it rings decode's doorbell itself, or its
-notification goes out on the engine's thread before or once the first token is
-chosen (`prepare`, `send`); otherwise the room's worker starts or finishes it.
+it on the thread that enqueued it (`early`); otherwise the room's worker starts or
+finishes it.
 Failures are reported with the decode rank they concern. A room's faults
-(`RoomFaults`) are drawn once and travel with its clock as one `RoomJob`; addresses
+(`RoomFaults`) are drawn once and travel with its clock as one `early.RoomJob`; addresses
 and descriptors are computed by `staging.descriptors`.
 """
 
@@ -27,14 +26,12 @@ from __future__ import annotations
 
 import base64
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from pdctl.serve.engine.kv_pool import KVPool
@@ -42,7 +39,8 @@ from pdctl.serve.faults import RoomFaults
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import PeerCallError
 from pdctl.serve.pd.direct import DirectWriter
-from pdctl.serve.pd.mapped_write import ArmedWrite, MappedWriter, RoomWrite, StartedWrite
+from pdctl.serve.pd.early import EarlyWrites, RoomJob, SendClock, Snapshot, settle
+from pdctl.serve.pd.mapped_write import NOOP, MappedWriter, RoomWrite, WriteObserver
 from pdctl.serve.pd.room_state import RoomWait
 from pdctl.staging import device as dev
 from pdctl.staging.buffer import init_staging_buffers
@@ -53,42 +51,11 @@ from pdctl.staging.layout import HeadSlice, StagingLayout, head_slices, plan_seg
 from pdctl.staging.transport import Peer, Transport, TransportError
 
 log = logging.getLogger("pdctl.serve")
-# Where an early write's notification goes out: "write", on the engine's thread as soon
-# as the write landed (before the first token is chosen, so decode checks its pages
-# while prefill samples); "token", on the engine's thread once the token is chosen;
-# "worker", from the room's worker thread. docs/benchmarks.md compares them.
-NOTIFY_AT = os.environ.get("PDCTL_NOTIFY_AT", "write")
-if NOTIFY_AT not in ("write", "token", "worker"):
-    log.warning("PDCTL_NOTIFY_AT=%s is not write, token or worker: using write", NOTIFY_AT)
-    NOTIFY_AT = "write"
-# (room, wait seconds, what to wait for) -> the room's state
-Snapshot = Callable[[int, float, RoomWait], dict[str, Any]]
 Report = Callable[[int, dict[str, Any]], None]
 
 
 class SendFailed(RuntimeError):
     pass
-
-
-@dataclass
-class SendClock:
-    """Seconds of one room's send spent gathering and taking digests (the rest of
-    write_ms is the transport's writes)."""
-
-    gather: float = 0.0
-    digest: float = 0.0
-
-
-@dataclass
-class RoomJob:
-    """One room's send: the faults drawn for it (once) and the clock of its work."""
-
-    faults: RoomFaults = field(default_factory=RoomFaults)
-    clock: SendClock = field(default_factory=SendClock)
-    armed: dict[int, ArmedWrite] = field(default_factory=dict)  # decode rank -> to fire
-    early: dict[int, StartedWrite] = field(default_factory=dict)  # decode rank -> started
-    forgotten: bool = False  # the room ended first: nothing armed fires any more
-    lock: threading.Lock = field(default_factory=threading.Lock)  # fire against forget
 
 
 class KVSender:
@@ -107,6 +74,9 @@ class KVSender:
         transfer_timeout: float,
         workers: int = 32,
         buffers: int = 2,
+        bells: bool = True,
+        notify_at: str = "write",
+        observer: WriteObserver = NOOP,
     ) -> None:
         self.rank, self.tp, self.heads, self.kv = rank, tp, num_kv_heads, kv
         self.transport, self.snapshot, self.report = transport, snapshot, report
@@ -120,12 +90,13 @@ class KVSender:
             transport.register_tensor(buffer.tensor)
             self.buffers.put(buffer)
         transport.register_tensor(kv.kv)  # direct page writes read the pool itself
-        self.mapped = MappedWriter(rank, kv, transport)
+        self.mapped = MappedWriter(rank, kv, transport, bells=bells, observer=observer)
         if transport.RINGS_BELLS:  # same-host device writes are mapped writes: compile them now
             self.mapped.warm()
         self.direct = DirectWriter(self.mapped, self._buffer)
-        self._said_early = False  # logged once: writes enqueued on the engine's thread
-        self._prepared: dict[int, RoomJob | None] = {}  # room -> its job (`prepare`)
+        self.early = EarlyWrites(
+            self.mapped, snapshot, self._targets, self._connected, self._draw_faults, notify_at
+        )
         self.peers: dict[str, Peer] = {}
         self.peers_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix=f"pdctl-send-{rank}")
@@ -136,123 +107,33 @@ class KVSender:
         it is enqueued). Where decode already registered and its pool is mapped here,
         the writes' host work is done now and the function returned launches them; the
         engine runs it right after enqueuing that forward, on the same thread, so they
-        queue behind it on the device with nothing in between."""
-        job = self._try_early(room, pages, fire=False)
-        if job is None:
-            return None
-        self._prepared[room] = job
-        return (lambda: self._fire(room, job)) if job.armed else None
+        queue behind it on the device with nothing in between (`early`)."""
+        return self.early.arm(room, pages)
 
     def prepare(self, room: int, pages: list[int]) -> None:
-        """The forward computing `room`'s last prompt piece is enqueued (not done).
-
-        Called on the engine's thread. Writes armed before it were launched behind it;
-        otherwise, where decode registered meanwhile and its pool is mapped here, they
-        are enqueued now. With NOTIFY_AT "write" the engine's thread then waits for
-        those whose decode hears by message (the forward's end and the write's own
-        device time) and notifies before the first token is chosen; a write the device
-        rings decode's doorbell for needs nothing more here."""
-        job = self._prepared.get(room)
-        if job is None:
-            job = self._prepared[room] = self._try_early(room, pages, fire=True)
-        if job is not None and NOTIFY_AT == "write":
-            self._notify_landed(room, job, wait=True)
+        """The forward computing `room`'s last prompt piece is enqueued (not done), on the
+        engine's thread: writes not armed before start now; with notify_at "write" those
+        decode hears by message are notified before the first token is chosen."""
+        self.early.prepare(room, pages)
 
     def send(self, room: int, pages: list[int], num_tokens: int, ready: Any) -> None:
         """Start sending `room` (pages hold the prompt's KV once `ready` completes).
 
         Called right after the forward (rank 0: on the engine's thread, once the first
-        token is chosen). Writes `prepare` queued have landed by then: they are
-        notified here; otherwise where decode registered and its pool is mapped here,
-        they are enqueued now, and a worker finishes them."""
-        job = self._prepared.pop(room, None) or self._try_early(room, pages, fire=True)
-        if job is not None and NOTIFY_AT != "worker":
-            self._notify_landed(room, job)
+        token is chosen). Early writes that landed are notified here (`early.take`); a
+        worker finishes them and writes the rest."""
+        job = self.early.take(room, pages)
         self.executor.submit(self._run, room, pages, num_tokens, ready, job)
 
     def forget(self, room: int) -> None:
         """`room` ended before `send` (aborted): its prepared job is dropped, and a write
         it launched already is waited for (decode's memory stays fenced until then)."""
-        job = self._prepared.pop(room, None)
-        if job is not None:
-            with job.lock:
-                job.forgotten = True
-            self._settle(room, job)
+        self.early.forget(room)
 
-    def _settle(self, room: int, job: RoomJob | None) -> None:
-        """Every early write of the job has landed (before the room is reported ended)."""
-        for decode_rank, started in (job.early if job is not None else {}).items():
-            try:
-                started.ended.synchronize()
-            except Exception:
-                log.exception("room %s: decode rank %s: the mapped write", room, decode_rank)
-
-    def _try_early(self, room: int, pages: list[int], *, fire: bool) -> RoomJob | None:
-        try:
-            job = self._arm_early(room, pages)
-        except Exception:  # the worker sends the room its usual way; the engine goes on
-            log.exception("room %s: an early write could not start", room)
-            return None
-        if job is not None and fire:
-            self._fire(room, job)
-        return job
-
-    def _fire(self, room: int, job: RoomJob) -> None:
-        """Launch the armed writes on this thread's stream (a failure leaves that decode
-        rank to the worker, which writes it by descriptors)."""
-        with job.lock:
-            for decode_rank, armed in list(job.armed.items()) if not job.forgotten else []:
-                try:
-                    job.early[decode_rank] = armed.fire()
-                except Exception:
-                    log.exception("room %s: decode rank %s: the mapped write", room, decode_rank)
-            job.armed.clear()
-
-    def _notify_landed(self, room: int, job: RoomJob, wait: bool = False) -> None:
-        """Notify the early writes the stream has passed (wait: every one, once it
-        landed), on the caller's thread; a failure leaves the write to the worker,
-        which reports it. Writes whose doorbell the device rang are left to the worker
-        (it only times them)."""
-        for decode_rank, started in job.early.items():
-            if started.rang or started.done_s is not None or not (wait or started.ended.query()):
-                continue
-            try:
-                self.mapped.finish(started, inline=True)
-            except Exception:
-                log.exception("room %s: decode rank %s: the notification failed", room, decode_rank)
-
-    def _arm_early(self, room: int, pages: list[int]) -> RoomJob | None:
-        state = self.snapshot(room, 0.0, RoomWait.registered())
-        registrations = state.get("registrations") or {}
-        if state.get("closed") or not registrations:
-            return None  # not yet registered: the worker waits for decode
-        decode_tp = proto.Registration.from_json(next(iter(registrations.values()))).decode_tp
-        ready = []  # decode ranks registered, direct, their transport connected before
-        for decode_rank, layout, writer in self._targets(decode_tp):
-            data = registrations.get(str(decode_rank))
-            reg = None if data is None else proto.Registration.from_json(data)
-            with self.peers_lock:
-                peer = None if reg is None else self.peers.get(reg.transport)
-            if reg is not None and reg.mode == "direct" and peer is not None:
-                ready.append((decode_rank, layout, writer, reg, peer))
-        # decode registered: the room's faults are drawn now, once (the worker keeps them)
-        job = RoomJob(self._draw_faults(room))
-        if job.faults != RoomFaults():
-            return job  # faults go the worker's way
-        for decode_rank, layout, writer, reg, peer in ready:
-            try:
-                armed = self.mapped.arm(RoomWrite(room, pages, reg, layout, writer, peer))
-            except Exception:  # the worker writes this rank by descriptors and reports
-                log.exception(
-                    "room %s: decode rank %s: the mapped write did not start", room, decode_rank
-                )
-                continue
-            if armed is not None:
-                job.armed[decode_rank] = armed
-        if job.armed and not self._said_early:
-            self._said_early = True
-            log.info("room %s: KV writes start behind the forward (decode pool mapped)", room)
-        return job
+    def _connected(self, transport: str) -> Peer | None:
+        """The peer of a decode transport connected before (None: not yet)."""
+        with self.peers_lock:
+            return self.peers.get(transport)
 
     def _draw_faults(self, room: int) -> RoomFaults:
         return RoomFaults.for_prefill(self.bootstrap_timeout + self.transfer_timeout + 2, room=room)
@@ -300,11 +181,11 @@ class KVSender:
             self.report(room, {"rank": self.rank, "ok": True, **stats})
         except (SendFailed, TransportError, PeerCallError) as exc:
             log.warning("room %s: %s", room, exc)
-            self._settle(room, job)  # reported ended: nothing of it may still be landing
+            settle(room, job)  # reported ended: nothing of it may still be landing
             self.report(room, {"rank": self.rank, "ok": False, "error": str(exc)})
         except Exception as exc:  # a bug must still fail the room, not hang it
             log.exception("room %s: send failed", room)
-            self._settle(room, job)
+            settle(room, job)
             self.report(
                 room, {"rank": self.rank, "ok": False, "error": f"prefill rank {self.rank}: {exc}"}
             )

@@ -76,6 +76,7 @@ def _receiver(rank: Rank, report: Any) -> KVReceiver:
         segment_bytes=int(args.staging_segment_mb * (1 << 20)),
         bootstrap_timeout=args.bootstrap_timeout,
         transfer_timeout=args.transfer_timeout,
+        bells=args.settings.bells,
     )
 
 

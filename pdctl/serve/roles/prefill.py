@@ -60,6 +60,8 @@ def make_sender(rank: Rank, snapshot: Snapshot, report: Report) -> KVSender:
         bootstrap_timeout=args.bootstrap_timeout,
         transfer_timeout=args.transfer_timeout,
         workers=max(4, args.max_running_requests),
+        bells=args.settings.bells,
+        notify_at=args.settings.notify_at,
     )
 
 
