@@ -35,6 +35,11 @@ class Setting:
         return self.source.removeprefix("env ") if self.source.startswith("env ") else None
 
 
+PREFIX = "PDCTL_"  # pdctl's own variables: a topology's env may set none of them
+# Variables that earlier pdctl read, now topology keys: a topology that sets one is told
+# which key says it now.
+RETIRED: dict[str, str] = {"PDCTL_TRITON_MATMUL": "serving.deterministic"}
+
 RUN_ID_VAR = "PDCTL_RUN_ID"
 RUN_SECRET_VAR = "PDCTL_RUN_SECRET"
 FAULTS_VAR = "PDCTL_FAULTS"

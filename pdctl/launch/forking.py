@@ -13,7 +13,7 @@ would (pid, poll, wait).
 
 What it saves: each server's ~2 s of imports (torch 1.7 s) on every launch after the
 first server of the run, CPU time a small host's servers otherwise spend in turn.
-PDCTL_FORKSERVER=0 in pdctl's environment spawns every process.
+`LaunchSettings.forkserver` off (launch/settings.py) spawns every process.
 """
 
 from __future__ import annotations
@@ -36,14 +36,19 @@ from pdctl.launch.processes import (
     start_time,
     stop_groups,
 )
-from pdctl.topology.resolve import FAULTS_VAR, RUN_ID_VAR, RUN_SECRET_VAR
+from pdctl.launch.settings import LaunchSettings
+from pdctl.settings import (
+    FAULTS_VAR,
+    LOG_DIR_VAR,
+    PROCESS_NAME_VAR,
+    RUN_ID_VAR,
+    RUN_SECRET_VAR,
+)
 
 SERVER_MODULE = ("-m", "pdctl.serve")
 # Read by a server after it is forked (its run, its name, its faults) or by transport
 # libraries it imports only then: these may differ between a server and the forkserver.
-LATE_VARS = frozenset(
-    {RUN_ID_VAR, RUN_SECRET_VAR, FAULTS_VAR, "PDCTL_LOG_DIR", "PDCTL_PROCESS_NAME"}
-)
+LATE_VARS = frozenset({RUN_ID_VAR, RUN_SECRET_VAR, FAULTS_VAR, LOG_DIR_VAR, PROCESS_NAME_VAR})
 LATE_PREFIXES = ("MC_", "MOONCAKE_", "NIXL_", "UCX_")
 READY_TIMEOUT_S = 60.0
 FORK_TIMEOUT_S = 30.0
@@ -276,6 +281,6 @@ class Starter:
             server.close()
 
 
-def forks_by_default(device: str, env: Mapping[str, str]) -> bool:
-    """Whether a run forks its servers: on the CPU, unless PDCTL_FORKSERVER=0."""
-    return device == "cpu" and env.get("PDCTL_FORKSERVER", "1") != "0" and hasattr(os, "fork")
+def forks_by_default(device: str, settings: LaunchSettings) -> bool:
+    """Whether a run forks its servers: on the CPU, unless `settings.forkserver` is off."""
+    return device == "cpu" and settings.forkserver and hasattr(os, "fork")

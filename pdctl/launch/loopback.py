@@ -11,7 +11,8 @@ bind the topology's `host`. The libraries a server loads have their own:
 When the topology's host is a loopback address, `confine` sets those variables
 (values the topology or the caller set win) and preloads a 40-line bind() shim
 (loopback_bind.c, compiled once per host into the state directory) that rewrites a
-wildcard bind to loopback. PDCTL_LOOPBACK_SHIM=0 turns the shim off.
+wildcard bind to loopback. `LaunchSettings.loopback_shim` (launch/settings.py) turns the
+shim off.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def shim_library() -> Path:
     return target
 
 
-def confine(env: dict[str, str], host: str) -> str | None:
+def confine(env: dict[str, str], host: str, shim: bool = True) -> str | None:
     """Confine the listeners of a process started with `env` to loopback, if `host` is.
 
     Returns a warning when something could not be confined (the shim could not be built).
@@ -77,7 +78,7 @@ def confine(env: dict[str, str], host: str) -> str | None:
         return None
     for name in INTERFACE_VARS:
         env.setdefault(name, "lo")
-    if env.get("PDCTL_LOOPBACK_SHIM", "1") == "0":
+    if not shim:  # `LaunchSettings.loopback_shim`
         return None
     try:
         library = str(shim_library())

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from pdctl.engines.command import PortSlot
 from pdctl.errors import LaunchError
+from pdctl.launch.settings import LaunchSettings
 
 RESERVATION_S = 300.0
 LOWEST_PORT = 20000  # clear of common services and of Ray's worker ports (10002-19999)
@@ -47,23 +48,16 @@ class PortError(LaunchError):
     """A port the run needs cannot be had; the message names it and who needs it."""
 
 
-def state_dir() -> Path:
-    """Where pdctl keeps host-wide state: $PDCTL_STATE_DIR, else XDG state home."""
-    explicit = os.environ.get("PDCTL_STATE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "pdctl"
+def state_dir(settings: LaunchSettings | None = None) -> Path:
+    """Where pdctl keeps host-wide state (`LaunchSettings.state_dir`)."""
+    return (settings or LaunchSettings.from_environ()).state_dir
 
 
-def ports_dir() -> Path:
-    """Where the port lock and reservations live: $PDCTL_PORTS_DIR, else the state dir.
-
-    Separate so that runs recorded in private state dirs (tests, several users of one
-    account) still share the host's one port reservation table.
-    """
-    explicit = os.environ.get("PDCTL_PORTS_DIR")
-    return Path(explicit) if explicit else state_dir()
+def ports_dir(settings: LaunchSettings | None = None) -> Path:
+    """Where the port lock and reservations live (`LaunchSettings.ports_dir`): apart from
+    the state dir so that runs recorded in private state dirs still share the host's one
+    port reservation table."""
+    return (settings or LaunchSettings.from_environ()).ports_dir
 
 
 @contextlib.contextmanager

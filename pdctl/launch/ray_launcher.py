@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from pdctl.errors import LaunchError
+from pdctl.launch.settings import LaunchSettings
+from pdctl.settings import LOG_DIR_VAR
 
 NAMESPACE = "pdctl"
 # Ray gives an actor without GPUs an empty device list; servers get the topology's own.
@@ -42,11 +44,10 @@ CALL_TIMEOUT_S = 60.0
 LOG_COPY_BYTES = 16 << 20  # the last 16 MiB of each log is copied
 
 
-def node_log_dir(run_dir: Path) -> Path:
+def node_log_dir(run_dir: Path, settings: LaunchSettings) -> Path:
     """Where servers on this node write the run's logs (see the module docstring)."""
-    explicit = os.environ.get("PDCTL_NODE_LOG_DIR")
-    if explicit:
-        return Path(explicit) / run_dir.name
+    if settings.node_log_dir is not None:
+        return settings.node_log_dir / run_dir.name
     with contextlib.suppress(OSError):
         run_dir.mkdir(parents=True, exist_ok=True)
         if os.access(run_dir, os.W_OK | os.X_OK):
@@ -147,12 +148,13 @@ class ProcessHost:
         from pdctl.launch.processes import spawn
 
         wanted = Path(log_path)
-        directory = node_log_dir(wanted.parent)
         env = {k: v for k, v in os.environ.items() if k not in RAY_DEVICE_VARS}
         env.update(overrides)
-        env["PDCTL_LOG_DIR"] = str(directory)  # TP ranks > 0 log beside rank 0
+        settings = LaunchSettings.from_environ(env)  # this node's own, and the run's
+        directory = node_log_dir(wanted.parent, settings)
+        env[LOG_DIR_VAR] = str(directory)  # TP ranks > 0 log beside rank 0
         env.setdefault("PYTHONUNBUFFERED", "1")
-        warning = confine(env, host)
+        warning = confine(env, host, settings.loopback_shim)
         self.name, self.log_path = name, directory / wanted.name
         spawned = spawn(name, argv, env, self.log_path, die_with_parent=True)
         self.process = spawned.process

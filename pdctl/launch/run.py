@@ -34,6 +34,7 @@ from pdctl.launch.preparation import make_workdir, prepare
 from pdctl.launch.processes import start_time, stop_groups
 from pdctl.launch.readiness import wait_ready
 from pdctl.launch.reference import StartingReference, spawn_reference
+from pdctl.launch.settings import LaunchSettings
 from pdctl.launch.stages import STAGES, LaunchFailed, ProcessState
 from pdctl.records import ServerInfo
 from pdctl.settings import LOG_DIR_VAR, PROCESS_NAME_VAR, RUN_ID_VAR, RUN_SECRET_VAR
@@ -76,7 +77,8 @@ class Run:
         self.hosts: dict[str, str] = {}  # process -> its address, where not the topology's host
         # the embedded servers of an attached CPU run are forked from one process that
         # imported them once (`forking`); the rest is spawned
-        forks = not detach and forks_by_default(topology.device, self.parent_env)
+        self.settings = LaunchSettings.from_environ(self.parent_env)
+        forks = not detach and forks_by_default(topology.device, self.settings)
         self.starter = Starter(topology.name, self.dir, forks=forks)
 
     # -- what the run is -------------------------------------------------------------
@@ -127,7 +129,7 @@ class Run:
         """The whole environment a process of this run starts with (the one builder)."""
         env = {**self.parent_env, **self.env_overrides(process, ports)}
         env.setdefault("PYTHONUNBUFFERED", "1")
-        warning = confine(env, self.host)
+        warning = confine(env, self.host, self.settings.loopback_shim)
         if warning and warning not in self.warnings:
             self.warnings.append(warning)
         return env

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 from pdctl.core import DEVICE_VISIBILITY_VARS
+from pdctl.settings import PREFIX, RETIRED
 from pdctl.topology.issues import Issue, KeyPath, RuleContext
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import merged_user_env
@@ -32,8 +33,6 @@ DERIVED_BY_PDCTL: dict[str, str] = {
 # getenv("MC_USE_TEV1"))`). A value that reads as "off" is the trap; removing is off.
 TENT_VARIABLES = ("MC_USE_TENT", "MC_USE_TEV1")
 READS_AS_OFF = ("", "0", "false", "no", "off", "n", "f")
-# Variables that earlier pdctl read, now topology keys.
-REPLACED_BY_KEYS: dict[str, str] = {"PDCTL_TRITON_MATMUL": "serving.deterministic"}
 BACKEND_PREFIXES = {"MC_": "mooncake", "MOONCAKE_": "mooncake", "NIXL_": "nixl", "UCX_": "nixl"}
 
 
@@ -87,14 +86,13 @@ def _variable_problems(
     topology: Topology, where: KeyPath, name: str, value: str
 ) -> Iterator[Issue]:
     path = (*where, name)
-    if name in REPLACED_BY_KEYS:
+    if name in RETIRED:
         yield Issue(
             path,
-            f"{name} is no longer read: {REPLACED_BY_KEYS[name]} says this now",
-            f"set {REPLACED_BY_KEYS[name]} (true: fixed-order kernels; false: the vendor "
-            "fast path)",
+            f"{name} is no longer read: {RETIRED[name]} says this now",
+            f"set {RETIRED[name]} (true: fixed-order kernels; false: the vendor fast path)",
         )
-    elif name.startswith("PDCTL_"):
+    elif name.startswith(PREFIX):
         yield Issue(path, f"{name} is reserved for pdctl's own per-run values")
     visibility = DEVICE_VISIBILITY_VARS.get(topology.device)
     if name == visibility:

@@ -20,10 +20,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pdctl.core import DEVICE_VISIBILITY_VARS
+from pdctl.settings import FAULTS_VAR, RUN_ID_VAR, RUN_SECRET_VAR
 from pdctl.topology.model import RoleSpec, Topology
-
-RUN_ID_VAR = "PDCTL_RUN_ID"
-RUN_SECRET_VAR = "PDCTL_RUN_SECRET"
 
 
 @dataclass(frozen=True)
@@ -184,7 +182,6 @@ def merged_user_env(topology: Topology, role: str) -> dict[str, str]:
     return merged
 
 
-FAULTS_VAR = "PDCTL_FAULTS"
 # fault -> the roles that inject it (kill-role: the role it names). `colocated` is the
 # reference verify starts: an engine fault (perturb-prefix-hit) is in it too, as engine
 # behaviour would be, so that the control without transfer shows it as well.
@@ -199,7 +196,7 @@ FAULT_ROLES: dict[str, tuple[str, ...]] = {
 
 
 def faults_of(topology: Topology, role: str) -> list[dict[str, object]]:
-    """The faults `role` must inject, as the JSON its servers read from PDCTL_FAULTS."""
+    """The faults `role` must inject, as the JSON its servers read from `FAULTS_VAR`."""
     found = []
     for fault in topology.faults:
         targets = (fault.role,) if fault.name == "kill-role" else FAULT_ROLES[fault.name]

@@ -49,8 +49,8 @@ def test_confine_leaves_other_hosts_and_an_opt_out_alone() -> None:
     env: dict[str, str] = {}
     confine(env, "10.0.0.7")
     assert env == {}
-    env = {"PDCTL_LOOPBACK_SHIM": "0"}
-    confine(env, "127.0.0.1")
+    env = {}
+    confine(env, "127.0.0.1", shim=False)
     assert "LD_PRELOAD" not in env and env["GLOO_SOCKET_IFNAME"] == "lo"
 
 

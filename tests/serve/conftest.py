@@ -24,6 +24,7 @@ import pytest
 
 from pdctl.launch.forking import Starter, forks_by_default
 from pdctl.launch.processes import ChildProcess
+from pdctl.launch.settings import LaunchSettings
 
 
 @functools.cache
@@ -31,7 +32,7 @@ def starter() -> Starter:
     """This worker's starter, made at its first server (on the main thread, which the
     forkserver's parent-death signal follows) and closed when the worker exits."""
     directory = Path(tempfile.mkdtemp(prefix="pdctl-test-servers-"))
-    made = Starter("tests", directory, forks=forks_by_default("cpu", os.environ))
+    made = Starter("tests", directory, forks=forks_by_default("cpu", LaunchSettings.from_environ()))
 
     def close() -> None:
         made.close()
