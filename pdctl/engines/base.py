@@ -153,11 +153,40 @@ class Engine(ABC):
 
     def check(self, topology: Topology) -> Iterator[Issue]:
         """Engine-specific rules; by default, no managed flag in a role's `args` or in
-        serving.args."""
+        serving.args, and none of what only pdctl's own servers do."""
+        yield from self.flag_issues(topology)
+        yield from own_server_issues(topology)
+
+    def flag_issues(self, topology: Topology) -> Iterator[Issue]:
+        """No flag the engine manages in a role's `args` or in serving.args."""
         for role, spec in topology.roles.items():
             yield from managed_flag_issues(("roles", role, "args"), spec.args, self.managed_flags)
         yield from managed_flag_issues(
             ("serving", "args"), topology.serving.args, self.managed_flags
+        )
+
+
+def own_server_issues(topology: Topology) -> Iterator[Issue]:
+    """What only pdctl's own servers do (shared devices, a role's own KV pool, faults),
+    asked of another engine."""
+    for role, spec in topology.roles.items():
+        if spec.share_devices:
+            yield Issue(
+                ("roles", role, "share_devices"),
+                f"{topology.engine} runs one rank per device (its collectives need it)",
+                "remove share_devices, or use engine: embedded",
+            )
+        if spec.kv_pool_tokens is not None:
+            yield Issue(
+                ("roles", role, "kv_pool_tokens"),
+                f"applies to pdctl's servers (engine embedded), not {topology.engine}",
+                "set serving.kv_pool_tokens: every role of this engine takes it",
+            )
+    for index, _ in enumerate(topology.faults):
+        yield Issue(
+            ("faults", index, "name"),
+            f"fault injection needs engine: embedded (this topology runs {topology.engine})",
+            "faults are implemented in pdctl's own servers",
         )
 
 

@@ -9,12 +9,14 @@ ranks get no transport port. A server with tp > 1 also gets a rendezvous port.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import ClassVar
 
+from pdctl.core import encoder_tp_problem
 from pdctl.engines.base import REFERENCE, Engine, ReferenceSpec, base_slots, python
 from pdctl.engines.command import Arg, Command, PortRef, PortSlot, command, host_ref, joined
 from pdctl.engines.probes import Probe, health, on_http
+from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import ServerLayout, role_spec
 
@@ -85,6 +87,29 @@ class EmbeddedEngine(Engine):
         "--bootstrap-timeout": "transfer.timeouts.bootstrap_s",
         "--transfer-timeout": "transfer.timeouts.transfer_s",
     }
+
+    def check(self, topology: Topology) -> Iterator[Issue]:
+        """Managed flags, and what pdctl's servers take differently from other engines:
+        the model's own positions, the encoder of the presets with its heads."""
+        yield from self.flag_issues(topology)
+        if topology.serving.max_model_len is not None:
+            yield Issue(
+                ("serving", "max_model_len"),
+                "applies to engines sglang and vllm; pdctl's servers take the model's positions",
+                "remove serving.max_model_len",
+            )
+        encoder = topology.roles.encoder
+        if encoder is None:
+            return
+        if not topology.model.uses_preset:
+            yield Issue(
+                ("roles", "encoder"),
+                "the embedded encoder runs with preset models only",
+                "use model.preset; pdctl's encoder model is part of the presets",
+            )
+        problem = encoder_tp_problem(encoder.tp)
+        if problem:
+            yield Issue(("roles", "encoder", "tp"), problem)
 
     def port_slots(self, topology: Topology, server: ServerLayout) -> list[PortSlot]:
         slots = base_slots(topology, server)

@@ -187,6 +187,12 @@ class SGLangEngine(Engine):
 
     def check(self, topology: Topology) -> Iterator[Issue]:
         yield from super().check(topology)
+        if topology.model.uses_preset:
+            yield Issue(
+                ("model",),
+                f"engine sglang cannot run pdctl's built-in '{topology.model.preset}' preset",
+                "set model.path to a checkpoint directory or a Hugging Face hub id",
+            )
         if topology.transfer.staging.segment_size_mb is not None:
             yield Issue(
                 ("transfer", "staging", "segment_size_mb"),

@@ -15,7 +15,6 @@ from pdctl.core import (
     MODEL_PRESETS,
     CheckpointRefused,
     ModelShape,
-    encoder_tp_problem,
     read_checkpoint_config,
     read_checkpoint_shape,
     supported_checkpoints,
@@ -53,12 +52,6 @@ def check_model(topology: Topology, context: RuleContext) -> Iterator[Issue]:
     model = topology.model
     if model.path is not None and "preset" in model.model_fields_set:
         yield Issue(("model", "path"), "set either model.preset or model.path, not both")
-    if topology.engine == "sglang" and model.uses_preset:
-        yield Issue(
-            ("model",),
-            f"engine sglang cannot run pdctl's built-in '{model.preset}' preset",
-            "set model.path to a checkpoint directory or a Hugging Face hub id",
-        )
     path = model_path(topology, context)
     if path is None or (topology.engine != "embedded" and not path.exists()):
         return  # SGLang and vLLM also accept hub ids, which only they can resolve
@@ -100,10 +93,7 @@ def check_tp(topology: Topology, context: RuleContext) -> Iterator[Issue]:
         return
     for role, spec in topology.roles.items():
         if role == "encoder":  # the embedded encoder model has its own heads
-            problem = encoder_tp_problem(spec.tp) if topology.engine == "embedded" else None
-            if problem:
-                yield Issue(("roles", role, "tp"), problem)
-            continue
+            continue  # the engine's own rules (`Engine.check`) know its encoder
         problem = shape.tp_problem(spec.tp)
         if problem:
             sizes = ", ".join(str(tp) for tp in shape.valid_tp_sizes(16))
@@ -172,13 +162,7 @@ def _shared_device_issues(topology: Topology) -> Iterator[Issue]:
         if not spec.share_devices:
             continue
         where = ("roles", role, "share_devices")
-        if topology.engine != "embedded":
-            yield Issue(
-                where,
-                f"{topology.engine} runs one rank per device (its collectives need it)",
-                "remove share_devices, or use engine: embedded",
-            )
-        elif topology.device == "cpu":
+        if topology.device == "cpu":
             yield Issue(
                 where, "has no effect on cpu: every rank runs on the CPU", severity="warning"
             )
@@ -229,12 +213,6 @@ def check_serving(topology: Topology, context: RuleContext) -> Iterator[Issue]:
             f"({serving.page_size})",
             "prefill chunks end on page boundaries",
         )
-    if serving.max_model_len is not None and topology.engine == "embedded":
-        yield Issue(
-            ("serving", "max_model_len"),
-            "applies to engines sglang and vllm; pdctl's servers take the model's positions",
-            "remove serving.max_model_len",
-        )
     pools: list[tuple[tuple[str, ...], int | None]] = [
         (("serving", "kv_pool_tokens"), serving.kv_pool_tokens)
     ]
@@ -246,12 +224,6 @@ def check_serving(topology: Topology, context: RuleContext) -> Iterator[Issue]:
             yield Issue(
                 where,
                 f"{pool} tokens cannot hold one prefill chunk of {serving.chunked_prefill_tokens}",
-            )
-        if pool is not None and where[0] == "roles" and topology.engine != "embedded":
-            yield Issue(
-                where,
-                f"applies to pdctl's servers (engine embedded), not {topology.engine}",
-                "set serving.kv_pool_tokens: every role of this engine takes it",
             )
 
 
@@ -292,13 +264,6 @@ def check_staging_fits(topology: Topology, context: RuleContext) -> Iterator[Iss
 
 
 def check_roles(topology: Topology, context: RuleContext) -> Iterator[Issue]:
-    encoder = topology.roles.encoder
-    if encoder is not None and topology.engine == "embedded" and not topology.model.uses_preset:
-        yield Issue(
-            ("roles", "encoder"),
-            "the embedded encoder runs with preset models only",
-            "use model.preset; pdctl's encoder model is part of the presets",
-        )
     verify = topology.verify
     if verify.concurrency > verify.num_prompts:
         yield Issue(
@@ -341,15 +306,9 @@ def check_requirements(topology: Topology, context: RuleContext) -> Iterator[Iss
 
 
 def check_faults(topology: Topology, context: RuleContext) -> Iterator[Issue]:
-    """Faults must have something to act on, and the embedded engine to act."""
+    """Faults must have something to act on (the engine's rules say whether it can act)."""
     for index, fault in enumerate(topology.faults):
         where = ("faults", index)
-        if topology.engine != "embedded":
-            yield Issue(
-                (*where, "name"),
-                f"fault injection needs engine: embedded (this topology runs {topology.engine})",
-                "faults are implemented in pdctl's own servers",
-            )
         needs_encoder = fault.name == "corrupt-embedding" or (
             fault.name == "kill-role" and fault.role == "encoder"
         )
