@@ -391,6 +391,23 @@ def test_corrupted_kv_is_caught_by_the_digest() -> None:
         cluster.pools_full()
 
 
+def test_corrupted_kv_of_a_direct_room_is_caught_by_the_digest() -> None:
+    """corrupt-kv on a direct room: written by descriptors, a byte flipped after the
+    digests; decode refuses the KV and names the direct write."""
+    with pd_cluster(
+        backend="tcp", decode_tp=1, staging=False,
+        prefill_env={"PDCTL_FAULTS": '[{"name": "corrupt-kv"}]'},
+    ) as cluster:  # fmt: skip
+        response = httpx.post(
+            f"{cluster.url}/generate",
+            json={"input_ids": PROMPTS[0], "sampling_params": SAMPLING},
+            timeout=30,
+        )
+        message = error_of(response)
+        assert "KV corruption in room" in message and "(direct write)" in message, message
+        cluster.pools_full()
+
+
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 def test_without_doorbells_a_direct_room_is_told_by_message(
     reference: dict[str, list[int]], side: str

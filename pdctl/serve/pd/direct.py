@@ -2,33 +2,46 @@
 
 Where the transport maps decode's pool here, the mapped write (`mapped_write`: the
 pages and their digests in one launch); elsewhere descriptors, one per run of pages
-consecutive on both sides, and the page digests read in place beside the write.
-Decode is told by its doorbell where it offered one and its box opens here (after a
-mapped write the device rang it behind the pages; after a write by descriptors the
-host rings it, `bells`), else by the transport's notification with the digests.
-Fault injection (prefill's corrupt-kv) goes by descriptors and flips one byte of
-decode's first page after the digests were taken.
+consecutive on both sides, and the page digests read in place beside the write
+(`describe`). Decode is told by its doorbell where it offered one and its box opens
+here (after a mapped write the device rang it behind the pages; after a write by
+descriptors the host rings it, `bells`), else by the transport's notification with
+the digests. Faults wrap this writer (`corrupt_kv`); it knows none.
 
 What this does not know: rooms' registrations' arrival, or other decode ranks.
 """
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.mapped_write import MappedWriter, RoomWrite
 from pdctl.staging.descriptors import KVRows, direct_descriptors, kv_bases
-from pdctl.staging.doorbell import DIGESTS
+from pdctl.staging.doorbell import DIGESTS, BellRinger, Ticket
 from pdctl.staging.kernels import start_page_digests
 from pdctl.staging.layout import Segment
-from pdctl.staging.transport import Peer
 
 Buffer = Callable[[], AbstractContextManager[Any]]  # a staging buffer, held for one write
+
+
+@dataclass(frozen=True)
+class Described:
+    """A write by descriptors, its digests under way: what to copy, what to tell."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    lengths: np.ndarray
+    nbytes: int
+    digests: Callable[[], list[int]]  # waits for the page digests
+    message: Callable[[], bytes]  # the notification, with them
+    bell: tuple[BellRinger, Ticket] | None  # decode's doorbell, where it opens here
 
 
 class DirectWriter:
@@ -37,14 +50,27 @@ class DirectWriter:
         self.rank, self.kv, self.transport = mapped.rank, mapped.kv, mapped.transport
         self.kv_bases = kv_bases(self.kv.k_buffers, self.kv.v_buffers)  # [L0.K, L0.V, ...]
 
-    def write(self, write: RoomWrite, plan: tuple[Segment, ...], corrupt: bool, clock: Any) -> int:
+    def write(self, write: RoomWrite, plan: tuple[Segment, ...], clock: Any) -> int:
         """Write and tell decode; returns the bytes written. `clock.digest` gathers the
         seconds spent on digests."""
-        mapped = None if corrupt else self.mapped.start(write)
+        mapped = self.mapped.start(write)
         if mapped is not None:
             self.mapped.finish(mapped)
             return mapped.nbytes
-        room, pages, reg, peer = write.room, write.pages, write.reg, write.peer
+        found = self.describe(write, plan, clock)
+        if found.bell is not None:  # the bytes are in place once `write` returns: ring
+            self.transport.write(write.peer, found.src, found.dst, found.lengths)
+            found.bell[0].ring(found.bell[1], DIGESTS, found.digests())
+        else:
+            self.transport.write(
+                write.peer, found.src, found.dst, found.lengths, notify=found.message
+            )
+        return found.nbytes
+
+    def describe(self, write: RoomWrite, plan: tuple[Segment, ...], clock: Any) -> Described:
+        """The write's descriptors, its page digests started (read in place: one launch
+        on a GPU, beside the write)."""
+        room, pages, reg = write.room, write.pages, write.reg
         piece = write.layout.slices[write.writer]
         src, dst, lengths = direct_descriptors(
             self.kv_bases, [address for pair in reg.kv_bases for address in pair], pages,
@@ -55,7 +81,7 @@ class DirectWriter:
             ),
         )  # fmt: skip
         started = time.perf_counter()
-        pending = start_page_digests(  # read in place: one launch on a GPU, beside the write
+        pending = start_page_digests(
             self.kv.k_buffers, self.kv.v_buffers, pages,
             [(segment.page_start, segment.num_pages) for segment in plan],
             head_start=piece.src_head_start, num_heads=piece.num_heads,
@@ -63,7 +89,6 @@ class DirectWriter:
         )  # fmt: skip
         clock.digest += time.perf_counter() - started
         nbytes = int(lengths.sum())
-        bell = self.mapped.ringers.ticket(reg, write.writer)
 
         def digests() -> list[int]:
             waited = time.perf_counter()
@@ -74,19 +99,5 @@ class DirectWriter:
         def message() -> bytes:  # made once the copy is done (or before, by other transports)
             return proto.notify_message(room, proto.DIRECT_SEGMENT, self.rank, digests(), nbytes)
 
-        if corrupt:  # fault injection: one byte of decode's first page, then the notice
-            self.transport.write(peer, src, dst, lengths)
-            self._corrupt_remote(peer, int(src[0]), int(dst[0]), message())
-        elif bell is not None:  # the bytes are in place once `write` returns: ring
-            self.transport.write(peer, src, dst, lengths)
-            bell[0].ring(bell[1], DIGESTS, digests())
-        else:
-            self.transport.write(peer, src, dst, lengths, notify=message)
-        return nbytes
-
-    def _corrupt_remote(self, peer: Peer, src: int, dst: int, notify: bytes) -> None:
-        """Overwrite the byte at `dst` with the byte at `src` (just sent there) flipped."""
-        sent = ctypes.c_uint8.from_address(src).value
-        with self.buffer() as buffer:
-            buffer.view(0, 1)[0] = sent ^ 0x5A
-            self.transport.write(peer, [buffer.ptr], [dst], [1], notify=notify)
+        bell = self.mapped.ringers.ticket(reg, write.writer)
+        return Described(src, dst, lengths, nbytes, digests, message, bell)

@@ -38,6 +38,7 @@ from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.faults import RoomFaults
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.client import PeerCallError
+from pdctl.serve.pd.corrupt_kv import PLAIN, CorruptKV, RoomWrites
 from pdctl.serve.pd.direct import DirectWriter
 from pdctl.serve.pd.early import EarlyWrites, RoomJob, SendClock, Snapshot, settle
 from pdctl.serve.pd.mapped_write import NOOP, MappedWriter, RoomWrite, WriteObserver
@@ -137,6 +138,11 @@ class KVSender:
 
     def _draw_faults(self, room: int) -> RoomFaults:
         return RoomFaults.for_prefill(self.bootstrap_timeout + self.transfer_timeout + 2, room=room)
+
+    @staticmethod
+    def _writes(job: RoomJob) -> RoomWrites:
+        """The room's writes as its faults have them (corrupt-kv: a byte flipped)."""
+        return CorruptKV() if job.faults.corrupt_kv else PLAIN
 
     def _land_late(self, room: int, job: RoomJob) -> None:
         """abort-transfer (fault injection): this write was in flight when decode gave
@@ -329,8 +335,7 @@ class KVSender:
             )
             with self._buffer() as buffer:
                 nbytes, digests = self._gather(buffer, chunk, piece, job.clock)
-                if job.faults.corrupt_kv and segment.index == 0:  # fault injection: after digests
-                    buffer.view(0, nbytes)[nbytes // 2] ^= 0x5A
+                self._writes(job).gathered(buffer, nbytes, segment.index)
                 message = proto.notify_message(room, segment.index, self.rank, digests, nbytes)
                 self._land_late(room, job)
                 self.transport.write(peer, [buffer.ptr], [destination], [nbytes], notify=message)
@@ -369,5 +374,5 @@ class KVSender:
         )
         write = RoomWrite(room, pages, reg, layout, writer, self._peer(reg))
         self._land_late(room, job)
-        sent = self.direct.write(write, plan, job.faults.corrupt_kv, job.clock)
+        sent = self._writes(job).direct(self.direct, write, plan, job.clock)
         return sent, 0, 0.0
