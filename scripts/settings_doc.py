@@ -39,6 +39,7 @@ def _rows(module: str, attribute: str) -> list[Any]:
 
 TABLES: tuple[tuple[str, str, str], ...] = (
     ("The launcher's hand-off (`pdctl/settings.py`)", "pdctl.settings", "HANDOFF"),
+    ("Launcher (`pdctl/launch/settings.py`)", "pdctl.launch.settings", "ROWS"),
     ("Embedded server (`pdctl/serve/settings.py`)", "pdctl.serve.settings", "ROWS"),
     (
         "Staging library (`pdctl/staging/settings.py`)",

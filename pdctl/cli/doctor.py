@@ -91,6 +91,7 @@ def doctor(
 def settings_report(environ: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
     """Every settings table (docs/settings.md), each row with the value this environment
     gives its variable, if any (a secret shown as set, never its value)."""
+    from pdctl.launch.settings import ROWS as LAUNCH
     from pdctl.staging.settings import StagingSettings
 
     served = subprocess.run(
@@ -99,6 +100,7 @@ def settings_report(environ: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
     serve = json.loads(served.stdout) if served.returncode == 0 else []
     tables = {
         "handoff": [asdict(row) for row in HANDOFF],
+        "launch": [asdict(row) for row in LAUNCH],
         "serve": serve,
         "staging": [asdict(row) for row in StagingSettings.rows()],
     }

@@ -78,7 +78,7 @@ def test_doctor_shows_every_settings_table_with_the_values_in_effect(tmp_path) -
     result = run_doctor("--json", env=env)
     assert result.returncode == 0, result.stderr
     tables = json.loads(result.stdout)["settings"]
-    assert set(tables) >= {"handoff", "serve", "staging"}
+    assert set(tables) == {"handoff", "launch", "serve", "staging"}
     serve = {row["name"]: row for row in tables["serve"]}
     assert serve["switch_interval_us"]["default"] == "500"
     assert serve["bells"]["source"] == "--bells / --no-bells"
