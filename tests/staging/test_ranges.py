@@ -105,8 +105,8 @@ def test_copy_ranges_on_the_device_matches_index_copies() -> None:
 
 
 def test_the_transport_knows_how_long_a_range_one_launch_takes() -> None:
-    """tcp.py keeps the limit without importing Triton; it must be the kernel's."""
+    """device_ipc.py keeps the limit without importing Triton; it must be the kernel's."""
     from pdctl.staging.kernels import ranges
-    from pdctl.staging.transport import tcp
+    from pdctl.staging.transport import device_ipc
 
-    assert tcp.MAX_RANGE_BYTES == ranges.MAX_RANGE_BYTES
+    assert device_ipc.MAX_RANGE_BYTES == ranges.MAX_RANGE_BYTES

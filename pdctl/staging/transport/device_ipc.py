@@ -21,11 +21,18 @@ import base64
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdctl.staging import device as dev
+from pdctl.staging.transport.values import Located
 
 MECHANISMS = {"cuda": "cuda-ipc"}  # device type -> its same-host IPC
+# A write of at most FEW_RANGES ranges copies each (a launch and its table cost more
+# than a few copies); more share one launch of the ranges kernel, but for ranges longer
+# than one launch takes (MAX_RANGE_BYTES), which get a copy each.
+FEW_RANGES = 4
+MAX_RANGE_BYTES = 65535 * 16 * 1024  # kernels.ranges.MAX_RANGE_BYTES (Triton not imported)
 
 
 def mechanism(device_type: str) -> str | None:
@@ -93,3 +100,37 @@ class Mapped:
     def clear(self) -> None:
         with self._lock:
             self._storages.clear()
+
+
+def copy_ranges(device: Any, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
+    """The ranges kernel (Triton, imported on the first device write)."""
+    from pdctl.staging.kernels import ranges
+
+    ranges.copy_ranges(device, src, dst, lengths)
+
+
+def copy_located(
+    found: Located,
+    lengths: np.ndarray,
+    tensors: dict[int, torch.Tensor],
+    mapped: dict[int, torch.Tensor],
+    shift: np.ndarray,
+    device: Any,
+) -> None:
+    """A write's ranges into a peer's mapped regions, on the current stream: a few
+    ranges one copy each, many (pages, runs of pages) in one launch. `tensors`: this
+    process's registered tensors by address; `mapped`: the peer's opened allocations by
+    its address; `shift`: per peer region, its address here minus the peer's."""
+    mine, theirs, sources, targets = found.mine, found.theirs, found.sources, found.targets
+    src, dst = found.src, found.dst
+    long = lengths > np.uint64(MAX_RANGE_BYTES)  # too long for one launch
+    if len(lengths) <= FEW_RANGES:
+        long[:] = True  # a launch and a table upload cost more than a few copies
+    for i in np.flatnonzero(long).tolist():
+        region, target = mine.regions[int(sources[i])], theirs.regions[int(targets[i])]
+        s, d, n = int(src[i]) - region.ptr, int(dst[i]) - target.ptr, int(lengths[i])
+        mapped[target.ptr][d : d + n].copy_(tensors[region.ptr][s : s + n], non_blocking=True)
+    short = ~long
+    if short.any():
+        local = dst[short] + shift[targets[short]]  # modulo 2**64, as addresses are
+        copy_ranges(device, src[short], local, lengths[short])

@@ -48,11 +48,6 @@ from pdctl.staging.transport.pool import WritePool
 from pdctl.staging.transport.tcp_server import Listener, RegionTable
 
 MAX_CONNECTIONS_PER_PEER = 8
-# Device writes: a write of at most FEW_RANGES ranges copies each (a launch and its
-# table cost more than a few copies); more share one launch of the ranges kernel, but
-# for ranges longer than one launch takes (MAX_RANGE_BYTES), which get a copy each.
-FEW_RANGES = 4
-MAX_RANGE_BYTES = 65535 * 16 * 1024  # kernels.ranges.MAX_RANGE_BYTES (Triton not imported)
 
 
 def _used(found: np.ndarray) -> list[int]:
@@ -60,13 +55,6 @@ def _used(found: np.ndarray) -> list[int]:
     if len(found) <= 8:
         return list(set(found.tolist()))
     return np.flatnonzero(np.bincount(found)).tolist()
-
-
-def copy_ranges(device: Any, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
-    """The ranges kernel (Triton, imported on the first device write)."""
-    from pdctl.staging.kernels import ranges
-
-    ranges.copy_ranges(device, src, dst, lengths)
 
 
 class Connection:
@@ -400,26 +388,12 @@ class TcpTransport(Transport):
     ) -> None:
         """Device to device into the peer's mapped regions: a few ranges one copy each,
         many (pages, runs of pages) in one launch; synchronized before returning."""
-        mapped: dict[int, Any] = peer.state["device"]
         found = self.located(peer, src, dst, lengths)
-        mine, theirs, sources, targets = found.mine, found.theirs, found.sources, found.targets
-        device = self.tensors[mine.regions[int(sources[0])].ptr].device
+        device = self.tensors[found.mine.regions[int(found.sources[0])].ptr].device
         stream = self._copy_stream(device)
-        long = lengths > np.uint64(MAX_RANGE_BYTES)  # too long for one launch
-        if len(lengths) <= FEW_RANGES:
-            long[:] = True  # a launch and a table upload cost more than a few copies
         with dev.device_stream_context(stream):
-            for i in np.flatnonzero(long).tolist():
-                region, target = mine.regions[int(sources[i])], theirs.regions[int(targets[i])]
-                s, d, n = int(src[i]) - region.ptr, int(dst[i]) - target.ptr, int(lengths[i])
-                mapped[target.ptr][d : d + n].copy_(
-                    self.tensors[region.ptr][s : s + n], non_blocking=True
-                )
-            short = ~long
-            if short.any():
-                shift: np.ndarray = peer.state["device_shift"]
-                local = dst[short] + shift[targets[short]]  # modulo 2**64, as addresses are
-                copy_ranges(device, src[short], local, lengths[short])
+            mapped, shift = peer.state["device"], peer.state["device_shift"]
+            device_ipc.copy_located(found, lengths, self.tensors, mapped, shift, device)
         dev.synchronize_stream(stream)  # the bytes are in the peer's memory before returning
 
     def _copy_stream(self, device: Any) -> Any:
