@@ -247,7 +247,7 @@ def capture_slots(device: torch.device, slot: Callable[[Any], Slot[Any]]) -> lis
 class CapturedCalls(Generic[T]):
     """`arm(key, ...)()`: the checked call `eager`, replayed from a graph once its shape
     came back SIGHTS times (see the module's docstring), as `settings` says (its
-    `graphs` off: never captured, the caller's `enabled` says so)."""
+    `graphs` off, the callers go the eager way without arming: `enabled`)."""
 
     def __init__(
         self,
