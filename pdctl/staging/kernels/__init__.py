@@ -15,7 +15,6 @@ Shapes:
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,11 +24,13 @@ import numpy as np
 import torch
 
 from pdctl.staging import device as dev
-from pdctl.staging.descriptors import pointer_table
 from pdctl.staging.digest import block_digests, digests_of_sums
 from pdctl.staging.kernels import captured
-from pdctl.staging.kernels.base import BufferCache, backend_names, default_backend, get_backend
+from pdctl.staging.kernels.base import get_backend
 from pdctl.staging.kernels.captured import CapturedCalls
+from pdctl.staging.kernels.checks import check_heads, check_segments
+from pdctl.staging.kernels.digest_tables import ALIGNED, DIGEST_TABLES
+from pdctl.staging.kernels.dispatch import backend_for
 from pdctl.staging.kernels.kvset import WORD_DTYPES, KVInfo, KVSet, describe_kv, prepare_kv
 from pdctl.staging.kernels.pages import (
     PageIndices,
@@ -39,13 +40,6 @@ from pdctl.staging.kernels.pages import (
     usual_ids,
 )
 from pdctl.staging.layout import HeadSlice
-
-
-def _check_heads(start: int, count: int, info: KVInfo, what: str) -> None:
-    if count < 1 or start < 0 or start + count > info.num_heads:
-        raise ValueError(
-            f"{what} heads [{start}, {start + count}) are outside the {info.num_heads} KV heads"
-        )
 
 
 def _word_bytes(kvset: KVSet, block: torch.Tensor) -> int:
@@ -73,22 +67,6 @@ def _staging_words(
     if flat.numel() < nbytes:
         raise ValueError(f"staging holds {flat.numel()} bytes but {nbytes} are needed")
     return flat[:nbytes].view(WORD_DTYPES[word]).view(shape)
-
-
-def _backend_for(info: KVInfo, backend: str | None) -> str:
-    name = backend or default_backend(info.device)
-    if name not in backend_names():
-        raise ValueError(f"unknown kernel backend {name!r}; known: {', '.join(backend_names())}")
-    if (
-        name == "triton"
-        and info.device.type not in ("cuda", "xpu")
-        and os.environ.get("TRITON_INTERPRET") != "1"
-    ):
-        raise ValueError(
-            f"the triton backend runs on cuda and xpu, not {info.device.type} "
-            "(set TRITON_INTERPRET=1 to interpret it on the CPU)"
-        )
-    return name
 
 
 def gather_all_layers_to_staging(
@@ -127,8 +105,8 @@ def _gather(
     src_head_start, num_heads = heads
     kvset = prepare_kv(k_buffers, v_buffers)
     info = kvset.info
-    _check_heads(src_head_start, num_heads, info, "source")
-    name = _backend_for(info, backend)
+    check_heads(src_head_start, num_heads, info, "source")
+    name = backend_for(info, backend)
     pages = upload_pages(page_indices, page_size, info)
     num_tokens = pages.numel() * page_size
     flat = _flat_bytes(staging, info)
@@ -191,13 +169,13 @@ def _scatter(
 ) -> int:
     kvset = prepare_kv(k_buffers, v_buffers)
     info = kvset.info
-    name = _backend_for(info, backend)
+    name = backend_for(info, backend)
     pages = upload_pages(page_indices, page_size, info)
     num_tokens = pages.numel() * page_size
     flat = _flat_bytes(staging, info)
     offset = 0
     for piece in writers:
-        _check_heads(piece.dst_head_start, piece.num_heads, info, "destination")
+        check_heads(piece.dst_head_start, piece.num_heads, info, "destination")
         block = flat[offset:]
         word = _word_bytes(kvset, block)
         head_words = info.head_dim * info.elem_bytes // word
@@ -256,13 +234,6 @@ def _replayed(
 
 
 _DIGEST_SCRATCH = threading.local()  # per thread: scratch for digests gathered first
-
-_DIGEST_TABLES: BufferCache[torch.Tensor] = BufferCache(
-    lambda views: pointer_table(views, views[0].device)
-)
-_ALIGNED: BufferCache[bool] = BufferCache(  # every buffer starts at 16 bytes
-    lambda views: all(view.data_ptr() % 16 == 0 for view in views)
-)
 
 
 @dataclass
@@ -340,8 +311,8 @@ def start_page_digests(
     values are the same either way."""
     kvset = prepare_kv(k_buffers, v_buffers)
     info = kvset.info
-    _check_heads(head_start, num_heads, info, "source")
-    name = _backend_for(info, backend)
+    check_heads(head_start, num_heads, info, "source")
+    name = backend_for(info, backend)
     pages = checked_pages(page_indices, page_size, info)
     check_segments(segments, pages.numel())
     head_bytes = info.head_dim * info.elem_bytes
@@ -351,8 +322,8 @@ def start_page_digests(
         views = kvset.views(4)
         num_cols = num_heads * head_bytes // 4
         rows = PageRows(
-            _DIGEST_TABLES.get(views), pages, views[0].shape[1], head_start * head_bytes // 4,
-            _ALIGNED.get(views),
+            DIGEST_TABLES.get(views), pages, views[0].shape[1], head_start * head_bytes // 4,
+            ALIGNED.get(views),
         )  # fmt: skip
         sums = launch_page_digest_sums(
             rows, list(segments), num_buffers=len(views), page_size=page_size, num_cols=num_cols
@@ -370,15 +341,6 @@ def start_page_digests(
         )  # fmt: skip
         digests.append(block_digests(scratch, info.num_layers, backend=name))
     return PendingDigests(None, [], 2 * info.num_layers, ready=digests)
-
-
-def check_segments(segments: Sequence[tuple[int, int]], num_pages: int) -> None:
-    """Every (page_start, num_pages) segment inside a list of `num_pages` pages."""
-    for start, count in segments:
-        if start < 0 or count < 1 or start + count > num_pages:
-            raise ValueError(
-                f"segment of pages [{start}, {start + count}) is outside the {num_pages} pages"
-            )
 
 
 def _digest_scratch(device: torch.device, nbytes: int) -> torch.Tensor:

@@ -27,17 +27,11 @@ import numpy as np
 import torch
 
 from pdctl.staging.doorbell import SUMS
-from pdctl.staging.kernels import (
-    _ALIGNED,
-    _DIGEST_TABLES,
-    PendingDigests,
-    _backend_for,
-    _check_heads,
-    check_segments,
-    prepare_kv,
-    start_page_digests,
-)
+from pdctl.staging.kernels import PendingDigests, prepare_kv, start_page_digests
 from pdctl.staging.kernels.captured import CapturedCalls
+from pdctl.staging.kernels.checks import check_heads, check_segments
+from pdctl.staging.kernels.digest_tables import ALIGNED, DIGEST_TABLES
+from pdctl.staging.kernels.dispatch import backend_for
 from pdctl.staging.kernels.kvset import KVInfo
 from pdctl.staging.kernels.pages import PageIndices, check_host_pages
 from pdctl.staging.kernels.write_slots import capture_writes
@@ -96,8 +90,8 @@ def _check_target(
         raise ValueError(f"target pool of {first.shape[0]} tokens is not whole {page_size}-pages")
     views = [b.view(b.shape[0], -1).view(torch.int32) for b in buffers]
     return _Checked(
-        _DIGEST_TABLES.get(views), views, int(first.shape[1]), first.shape[0] // page_size,
-        _ALIGNED.get(views),
+        DIGEST_TABLES.get(views), views, int(first.shape[1]), first.shape[0] // page_size,
+        ALIGNED.get(views),
     )  # fmt: skip
 
 
@@ -148,7 +142,7 @@ def arm_page_write(
     `rung`); elsewhere nothing rings (the caller rings from the host)."""
     kvset = prepare_kv(k_buffers, v_buffers)
     info = kvset.info
-    _check_heads(head_start, num_heads, info, "source")
+    check_heads(head_start, num_heads, info, "source")
     checked = _target(target.buffers, info, k_buffers[0].dtype, page_size)
     if num_heads < 1 or target.head_start < 0 or target.head_start + num_heads > checked.num_heads:
         raise ValueError(
@@ -161,7 +155,7 @@ def arm_page_write(
         raise ValueError(f"the target names {len(dst_pages)} pages for the source's {len(pages)}")
     check_segments(segments, len(pages))
     head_bytes = info.head_dim * info.elem_bytes
-    name = _backend_for(info, backend)
+    name = backend_for(info, backend)
     if name == "triton" and kvset.max_word >= 4 and head_bytes % 4 == 0 and segments:
         word_cols = (head_start * head_bytes // 4, target.head_start * head_bytes // 4)
         num_cols = num_heads * head_bytes // 4
@@ -335,8 +329,8 @@ class _Launch:
         described, src, dst = tables
         views, checked = self.views, self.checked
         source = PageRows(
-            _DIGEST_TABLES.get(views), src, views[0].shape[1], self.col_starts[0],
-            _ALIGNED.get(views),
+            DIGEST_TABLES.get(views), src, views[0].shape[1], self.col_starts[0],
+            ALIGNED.get(views),
         )  # fmt: skip
         target = PageRows(
             checked.table, dst, checked.views[0].shape[1], self.col_starts[1], checked.aligned
