@@ -32,9 +32,12 @@ demo: setup
 	$(PDCTL) verify $(DEFAULT_TOPOLOGY) --serial-compare --reference --json runs/demo-verify.json --junit runs/demo-verify.xml
 
 # Two workers, a test file each at a time: the servers the tests start spend much of
-# their time waiting, so two files overlap well on two cores (16 min -> 11 min).
-test: setup setup-vllm
-	$(PY) -m pytest -q -n 2 --dist loadfile
+# their time waiting, so two files overlap well on two cores (16 min -> 11 min). The two
+# environments build side by side (mostly downloads and unpacking); the slowest tests
+# are listed at the end, so a run that grows says where.
+test:
+	@$(MAKE) --no-print-directory -j2 setup setup-vllm
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 # The CPU suite as a CI nightly runs it: every topology tagged `cpu`, reports in runs/.
 nightly-cpu: setup
