@@ -27,11 +27,11 @@ class Setting:
     name: str  # the field (or the variable, for a hand-off row)
     default: str  # as a user would write it; "" for none
     reason: str  # why it exists: what it changes, what was measured
-    source: str  # where a value comes from: "--flag", "topology: key", or "env PDCTL_X"
+    source: str  # where a value comes from: "--flag", "topology: key", or "env PDCTL_..."
 
     @property
     def variable(self) -> str | None:
-        """The environment variable of an `env PDCTL_X` row, else None."""
+        """The environment variable of an `env PDCTL_...` row, else None."""
         return self.source.removeprefix("env ") if self.source.startswith("env ") else None
 
 

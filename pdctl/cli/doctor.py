@@ -25,7 +25,7 @@ from pdctl.cli.common import JsonOption, QuietOption, VerboseOption, options
 from pdctl.engines import get_engine
 from pdctl.launch.engine_env import EngineEnv, probe
 from pdctl.launch.plan import load_checked, make_plan
-from pdctl.settings import HANDOFF, RUN_SECRET_VAR
+from pdctl.settings import HANDOFF, PREFIX, RUN_SECRET_VAR
 
 
 def tent_line(info: dict[str, Any]) -> str:
@@ -62,6 +62,7 @@ def doctor(
     data["capabilities"] = sorted(capabilities(data))
     data["engines"] = engines
     data["settings"] = settings_report(dict(os.environ))
+    data["unknown_variables"] = unknown_variables(dict(os.environ), data["settings"])
     if opts.json:
         console.emit_json(data)
         return
@@ -86,6 +87,16 @@ def doctor(
     for engine in engines:
         _engine(engine)
     _settings(data["settings"], opts.verbose > 0)
+    for name in data["unknown_variables"]:
+        out.print(f"  {name} is set, but pdctl reads no such variable", markup=False)
+
+
+def unknown_variables(
+    environ: dict[str, str], tables: dict[str, list[dict[str, Any]]]
+) -> list[str]:
+    """`PDCTL_` variables set here that no table reads (a retired switch, a typo)."""
+    known = {row["source"].removeprefix("env ") for rows in tables.values() for row in rows}
+    return sorted(name for name in environ if name.startswith(PREFIX) and name not in known)
 
 
 def settings_report(environ: dict[str, str]) -> dict[str, list[dict[str, Any]]]:

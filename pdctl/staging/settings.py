@@ -15,7 +15,6 @@ caller hands nothing in, the process's own values are parsed once, on first use
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -25,15 +24,6 @@ NATIVE_DIR_VAR = "PDCTL_NATIVE_DIR"
 # The launcher's hand-off of the per-run secret; must equal pdctl.settings.RUN_SECRET_VAR
 # (staging cannot import it; tests/staging/test_settings.py checks the two are equal).
 RUN_SECRET_VAR = "PDCTL_RUN_SECRET"
-# Switches staging read from the environment until issue 37: set, they change nothing
-# now, so a process that finds one says so (`process_settings`) rather than ignore it.
-RETIRED_VARS = (
-    "PDCTL_STAGING_GRAPHS", "PDCTL_STAGING_UPLOAD_KERNEL", "PDCTL_STAGING_UPLOAD_AHEAD",
-    "PDCTL_STAGING_REPLAY_IN_C", "PDCTL_HELD_CUDA_CALLS", "PDCTL_NATIVE_STAGING",
-    "PDCTL_NIXL_PROGRESS_THREAD",
-)  # fmt: skip
-
-log = logging.getLogger("pdctl.staging")
 
 
 @dataclass(frozen=True)
@@ -43,7 +33,7 @@ class Row:
     name: str  # the field
     default: str  # as a user would write it; "" for none
     reason: str  # why it exists: what it changes, what was measured
-    source: str  # where a value comes from: "env PDCTL_X", or "constructor" for code
+    source: str  # where a value comes from: "env PDCTL_...", or "constructor" for code
 
 
 def default_native_dir(environ: Mapping[str, str]) -> Path:
@@ -132,20 +122,8 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
 @functools.cache
 def process_settings() -> StagingSettings:
     """This process's settings from its environment, parsed once on first use: for the
-    callers that hand none in. A retired switch still set is named in a warning."""
-    retired = retired_variables(os.environ)
-    if retired:
-        log.warning(
-            "staging: %s no longer change anything (the fast paths are always on; "
-            "benchmarks turn them off through StagingSettings)",
-            ", ".join(retired),
-        )
+    callers that hand none in (`pdctl doctor` names a PDCTL_ variable no table reads)."""
     return StagingSettings.from_environ(os.environ)
-
-
-def retired_variables(environ: Mapping[str, str]) -> list[str]:
-    """The retired switches (`RETIRED_VARS`) set in `environ`."""
-    return [name for name in RETIRED_VARS if name in environ]
 
 
 def run_secret(environ: Mapping[str, str]) -> bytes:

@@ -75,9 +75,12 @@ def test_doctor_is_listed_in_help(cli) -> None:
 
 def test_doctor_shows_every_settings_table_with_the_values_in_effect(tmp_path) -> None:
     env = {**os.environ, "PDCTL_NATIVE_DIR": str(tmp_path), "PDCTL_RUN_SECRET": "hush"}
+    env["PDCTL_STAGING_GRAPHS"] = "0"  # retired: nothing reads it now, and doctor says so
     result = run_doctor("--json", env=env)
     assert result.returncode == 0, result.stderr
-    tables = json.loads(result.stdout)["settings"]
+    report = json.loads(result.stdout)
+    assert report["unknown_variables"] == ["PDCTL_STAGING_GRAPHS"]
+    tables = report["settings"]
     assert set(tables) == {"handoff", "launch", "serve", "staging"}
     serve = {row["name"]: row for row in tables["serve"]}
     assert serve["switch_interval_us"]["default"] == "500"
@@ -89,3 +92,4 @@ def test_doctor_shows_every_settings_table_with_the_values_in_effect(tmp_path) -
     text = run_doctor("-v", env=env).stdout
     assert "serve.notify_at = write  (--notify-at)" in text
     assert f"staging.native_dir = {tmp_path}" in text
+    assert "PDCTL_STAGING_GRAPHS is set, but pdctl reads no such variable" in text

@@ -28,12 +28,6 @@ def test_the_environment_sets_the_native_dir_and_nothing_else(tmp_path: Path) ->
     assert cache.native_dir == tmp_path / "cache" / "pdctl" / "native"
 
 
-def test_a_retired_switch_still_set_is_named() -> None:
-    environ = {"PDCTL_STAGING_GRAPHS": "0", "PDCTL_HELD_CUDA_CALLS": "0", "HOME": "/"}
-    assert settings.retired_variables(environ) == ["PDCTL_STAGING_GRAPHS", "PDCTL_HELD_CUDA_CALLS"]
-    assert settings.retired_variables({settings.NATIVE_DIR_VAR: "/x"}) == []
-
-
 def test_the_run_secret_comes_from_its_variable() -> None:
     assert settings.run_secret({settings.RUN_SECRET_VAR: "abc"}) == b"abc"
     assert settings.run_secret({}) == b""
