@@ -65,9 +65,14 @@ class StartingReference:
     state: ProcessState
     ports: Allocation
 
-    def wait(self, timeout: float = 120.0) -> str:
+    def wait(self, timeout: float | None = None) -> str:
+        """Until the reference answers: within `timeout`, else the topology's start-up
+        bound (`launcher.startup_timeout_s`, the one every process of the run has)."""
+        limit = (
+            timeout if timeout is not None else self.run.plan.topology.launcher.startup_timeout_s
+        )
         try:
-            _wait(self.run, self.state, self.ports.ports, timeout)
+            _wait(self.run, self.state, self.ports.ports, limit)
         finally:
             self.ports.release()
         return self.state.url

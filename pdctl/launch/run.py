@@ -307,7 +307,7 @@ class Run:
                     report,
                 )
 
-    def start_reference(self, tp: int = 1, timeout: float = 120.0) -> str:
+    def start_reference(self, tp: int = 1, timeout: float | None = None) -> str:
         """A colocated server of the same engine and model, ready; its URL."""
         return self.spawn_reference(tp).wait(timeout)
 

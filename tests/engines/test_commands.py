@@ -156,7 +156,7 @@ def test_vllm_router_from_the_engines_environment(four_cores: None) -> None:
     plan = plan_of("cpu-vllm-p1d1-nixl-vllm-router")
     assert line(plan, "router") == (
         "python3 -m vllm_router.launch_router --vllm-pd-disaggregation --kv-connector nixl "
-        "--worker-startup-check-interval 1 --worker-startup-timeout-secs 120 "
+        "--worker-startup-check-interval 1 --worker-startup-timeout-secs 300 "
         "--prefill 'http://127.0.0.1:<prefill-0.http>' --decode 'http://127.0.0.1:<decode-0.http>' "
         "--host 127.0.0.1 --port '<router.http>' --request-timeout-secs 120 "
         "--prometheus-host 127.0.0.1 --prometheus-port '<router.metrics>'"
