@@ -86,14 +86,14 @@ ROWS: tuple[Setting, ...] = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The table's flags on the server's parser (cuda_graphs stays a ServerArgs field)."""
-    on_off = argparse.BooleanOptionalAction
-    parser.add_argument("--switch-interval-us", type=_interval, default=500)
-    parser.add_argument("--cuda-schedule", choices=CUDA_SCHEDULES, default="")
-    parser.add_argument("--native-attention", action=on_off, default=True)
-    parser.add_argument("--fork-ranks", action=on_off, default=True)
-    parser.add_argument("--tp-gather", choices=TP_GATHERS, default="futex")
-    parser.add_argument("--bells", action=on_off, default=True)
-    parser.add_argument("--notify-at", choices=NOTICES, default="write")
+    on_off, default = argparse.BooleanOptionalAction, ServeSettings()  # one set of defaults
+    parser.add_argument("--switch-interval-us", type=_interval, default=default.switch_interval_us)
+    parser.add_argument("--cuda-schedule", choices=CUDA_SCHEDULES, default=default.cuda_schedule)
+    parser.add_argument("--native-attention", action=on_off, default=default.native_attention)
+    parser.add_argument("--fork-ranks", action=on_off, default=default.fork_ranks)
+    parser.add_argument("--tp-gather", choices=TP_GATHERS, default=default.tp_gather)
+    parser.add_argument("--bells", action=on_off, default=default.bells)
+    parser.add_argument("--notify-at", choices=NOTICES, default=default.notify_at)
 
 
 def from_namespace(parsed: argparse.Namespace) -> ServeSettings:
