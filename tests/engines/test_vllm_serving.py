@@ -119,26 +119,24 @@ def test_vllm_pd_verified_through_vllm_router(tmp_path: Path) -> None:
     assert report["environment"]["router"] is not None
 
 
-def running_requests(url: str) -> float:
+def prefill_in_flight(router_url: str) -> int:
+    """Requests the router is forwarding to prefill (from its /get_server_info)."""
     try:
-        text = httpx.get(f"{url}/metrics", timeout=5).text
-    except httpx.HTTPError:
-        return 0.0
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:num_requests_running")
-    )
+        info = httpx.get(f"{router_url}/get_server_info", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return 0
+    return sum(int(worker["in_flight"]) for worker in info["prefill"])
 
 
 def test_a_prefill_killed_mid_request_fails_it_naming_prefill(tmp_path: Path) -> None:
-    """Prefill is frozen while it holds requests, then killed: each request still inside
-    it fails with a 502 naming prefill (never a hang). One whose prefill leg was over
-    (answered, or decode already pulling its KV) may still succeed at decode.
+    """Prefill is killed while it holds requests: each request still inside it fails
+    with a 502 naming prefill (never a hang). One whose prefill leg was over (answered,
+    or decode already pulling its KV) may still succeed at decode.
 
-    Four long prompts keep prefill busy for seconds, so freezing it (SIGSTOP) the moment
-    its own metrics count a running request catches requests inside it; freezing first
-    and killing after makes "answered before the kill" a fact the test reads, not a race.
+    No race decides what the test sees: prefill is frozen (SIGSTOP) before the requests
+    are sent, so all four reach it (the router counts them in flight, the kernel queues
+    them), it is let run for a moment to take them up, frozen again, and only then
+    killed; which answers were in before the kill is read while it is frozen.
     """
     plan = make_plan(load_checked(BUILTIN))
     run = Run(plan, tmp_path / "run")
@@ -162,14 +160,20 @@ def test_a_prefill_killed_mid_request_fails_it_naming_prefill(tmp_path: Path) ->
 
         senders = [threading.Thread(target=send, args=(i,)) for i in range(4)]
         started = time.monotonic()
+        group = prefill.spawned.pid
+        os.killpg(group, signal.SIGSTOP)
         for sender in senders:
             sender.start()
-        deadline = time.monotonic() + 20
-        while running_requests(prefill.url) < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.killpg(prefill.spawned.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while prefill_in_flight(run.router_url) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert prefill_in_flight(run.router_url) == 4, "the router did not forward the requests"
+        time.sleep(0.5)  # the router's writes reach prefill's sockets
+        os.killpg(group, signal.SIGCONT)  # prefill takes the requests up and starts on them
+        time.sleep(0.3)
+        os.killpg(group, signal.SIGSTOP)
         answered_before = set(answers)
-        os.killpg(prefill.spawned.pid, signal.SIGKILL)
+        os.killpg(group, signal.SIGKILL)
         for sender in senders:
             sender.join(timeout=60)
         assert not any(sender.is_alive() for sender in senders), "a request hung after prefill died"
