@@ -65,11 +65,19 @@ class KVTransfer:
     extra: dict[str, Any] = field(default_factory=dict)
 
     KINDS: ClassVar[Kinds] = {
-        "bytes": (int,), "segments": (int,), "staging": (bool,), "transport": (str,),
-        "digest_ok": (bool,), "transfer_ms": NUMBER, "cached_tokens": (int,),
-        "write_ms": NUMBER, "gather_ms": NUMBER, "digest_ms": NUMBER, "send_ms": NUMBER,
+        "bytes": (int,),
+        "segments": (int,),
+        "staging": (bool,),
+        "transport": (str,),
+        "digest_ok": (bool,),
+        "transfer_ms": NUMBER,
+        "cached_tokens": (int,),
+        "write_ms": NUMBER,
+        "gather_ms": NUMBER,
+        "digest_ms": NUMBER,
+        "send_ms": NUMBER,
         "notice": (str,),
-    }  # fmt: skip
+    }
 
     def to_json(self) -> dict[str, Any]:
         return _to(self)
@@ -147,9 +155,13 @@ class FenceState:
     extra: dict[str, Any] = field(default_factory=dict)
 
     KINDS: ClassVar[Kinds] = {
-        "rooms": (int,), "pages": (int,), "regions": (int,), "released": (int,),
-        "writer_gone": (int,), "unconfirmed": (int,),
-    }  # fmt: skip
+        "rooms": (int,),
+        "pages": (int,),
+        "regions": (int,),
+        "released": (int,),
+        "writer_gone": (int,),
+        "unconfirmed": (int,),
+    }
 
     def to_json(self) -> dict[str, Any]:
         return _to(self)
@@ -173,9 +185,14 @@ class KVSent:
     extra: dict[str, Any] = field(default_factory=dict)
 
     KINDS: ClassVar[Kinds] = {
-        "rooms": (int,), "failed_rooms": (int,), "bytes": (int,), "write_ms": NUMBER,
-        "gather_ms": NUMBER, "digest_ms": NUMBER, "transfer_ms": NUMBER,
-    }  # fmt: skip
+        "rooms": (int,),
+        "failed_rooms": (int,),
+        "bytes": (int,),
+        "write_ms": NUMBER,
+        "gather_ms": NUMBER,
+        "digest_ms": NUMBER,
+        "transfer_ms": NUMBER,
+    }
 
     def add(self, transfer: KVTransfer, ok: bool) -> None:
         """One room more: its bytes and times when it went through."""
@@ -217,11 +234,19 @@ class ServerInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
     KINDS: ClassVar[Kinds] = {
-        "role": (str,), "dtype": (str,), "deterministic": (bool,), "running_requests": (int,),
-        "waiting_requests": (int,), "open_rooms": (int,), "kv": (dict,),
-        "staging_ring": (dict,), "kv_sent": (dict,), "fence": (dict,), "prefill": (list,),
+        "role": (str,),
+        "dtype": (str,),
+        "deterministic": (bool,),
+        "running_requests": (int,),
+        "waiting_requests": (int,),
+        "open_rooms": (int,),
+        "kv": (dict,),
+        "staging_ring": (dict,),
+        "kv_sent": (dict,),
+        "fence": (dict,),
+        "prefill": (list,),
         "decode": (list,),
-    }  # fmt: skip
+    }
 
     def to_json(self) -> dict[str, Any]:
         out = _to(self)

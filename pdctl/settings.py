@@ -48,26 +48,39 @@ PROCESS_NAME_VAR = "PDCTL_PROCESS_NAME"
 
 HANDOFF: tuple[Setting, ...] = (
     Setting(
-        RUN_ID_VAR, "", "which run a process belongs to: `pdctl down` and `status` find a "
-        "run's processes by it, never by name", f"env {RUN_ID_VAR}",
+        RUN_ID_VAR,
+        "",
+        "which run a process belongs to: `pdctl down` and `status` find a "
+        "run's processes by it, never by name",
+        f"env {RUN_ID_VAR}",
     ),
     Setting(
-        RUN_SECRET_VAR, "", "the per-run secret the bootstrap, internal and peer endpoints "
-        "check; kept off every command line", f"env {RUN_SECRET_VAR}",
+        RUN_SECRET_VAR,
+        "",
+        "the per-run secret the bootstrap, internal and peer endpoints "
+        "check; kept off every command line",
+        f"env {RUN_SECRET_VAR}",
     ),
     Setting(
-        FAULTS_VAR, "", "the faults a topology injects into a role (JSON list); off unless "
-        "the topology has `faults:`", f"env {FAULTS_VAR}",
+        FAULTS_VAR,
+        "",
+        "the faults a topology injects into a role (JSON list); off unless "
+        "the topology has `faults:`",
+        f"env {FAULTS_VAR}",
     ),
     Setting(
-        LOG_DIR_VAR, "", "the run directory: a server's TP ranks write their own logs there",
+        LOG_DIR_VAR,
+        "",
+        "the run directory: a server's TP ranks write their own logs there",
         f"env {LOG_DIR_VAR}",
     ),
     Setting(
-        PROCESS_NAME_VAR, "", "the process's name in the plan: names its ranks' logs",
+        PROCESS_NAME_VAR,
+        "",
+        "the process's name in the plan: names its ranks' logs",
         f"env {PROCESS_NAME_VAR}",
     ),
-)  # fmt: skip
+)
 
 
 def markdown(title: str, rows: Iterable[Setting]) -> str:

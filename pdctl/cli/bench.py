@@ -65,9 +65,15 @@ def staging(
             for ratio in (r.gather_ratio, r.scatter_ratio)
         ]
         table.add_row(
-            r.shape, str(r.tokens_run), f"{r.bytes_moved / 2**20:.0f}", f"{r.copy_gbps:.1f}",
-            f"{r.gather_gbps:.1f}", marks[0], f"{r.scatter_gbps:.1f}", marks[1],
-        )  # fmt: skip
+            r.shape,
+            str(r.tokens_run),
+            f"{r.bytes_moved / 2**20:.0f}",
+            f"{r.copy_gbps:.1f}",
+            f"{r.gather_gbps:.1f}",
+            marks[0],
+            f"{r.scatter_gbps:.1f}",
+            marks[1],
+        )
     console.out.print(table)
     if target is not None:
         console.info(
@@ -114,10 +120,15 @@ def transport(
     for row in report["rows"]:
         first, connect = row.get("first_ms"), row.get("connect_ms")
         table.add_row(
-            row["variant"], row["label"], f"{row['gbps']:.2f}", f"{row['p50_ms']:.3f}",
-            f"{row['p99_ms']:.3f}", "-" if first is None else f"{first:.3f}",
-            "-" if connect is None else f"{connect:.3f}", "yes" if row["consistent"] else "NO",
-        )  # fmt: skip
+            row["variant"],
+            row["label"],
+            f"{row['gbps']:.2f}",
+            f"{row['p50_ms']:.3f}",
+            f"{row['p99_ms']:.3f}",
+            "-" if first is None else f"{first:.3f}",
+            "-" if connect is None else f"{connect:.3f}",
+            "yes" if row["consistent"] else "NO",
+        )
     console.out.print(table)
     for variant, reason in report["unavailable"].items():
         console.warning(f"{variant} not measured: {reason}")
@@ -231,10 +242,14 @@ def pd(
 
     chosen = chosen_backends(backends)
     report = pd_bench.bench_pd(
-        topology, backends=chosen, prompts=prompts, prompt_len=prompt_len,
-        new_tokens=new_tokens, concurrency=concurrency,
+        topology,
+        backends=chosen,
+        prompts=prompts,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        concurrency=concurrency,
         progress=console.info if not opts.quiet else (lambda _: None),
-    )  # fmt: skip
+    )
     if opts.json:
         console.emit_json(report)
         return
@@ -246,8 +261,18 @@ def pd(
         "admission to KV checked (includes prefill compute); tok/s 1: serial streaming; "
         "tok/s N: concurrent; /coloc: PD over a colocated TP1 server of the same model",
     )
-    columns = ("config", "KiB/req", "write ms", "/ bound", "KV ready ms p50/95",
-               "TTFT ms p50/95", "tok/s 1", "tok/s N", "TTFT /coloc", "tok/s /coloc")  # fmt: skip
+    columns = (
+        "config",
+        "KiB/req",
+        "write ms",
+        "/ bound",
+        "KV ready ms p50/95",
+        "TTFT ms p50/95",
+        "tok/s 1",
+        "tok/s N",
+        "TTFT /coloc",
+        "tok/s /coloc",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "config" else "right")
     for row in report["rows"]:

@@ -78,12 +78,20 @@ def soak(
     if warmup is not None and warmup > requests:
         raise UsageError(f"--warmup {warmup} is more than --requests {requests}")
     report = bench_soak(
-        topology, backends=chosen, requests=requests, concurrency=concurrency,
-        pool_mb=pool_mb, new_tokens=new_tokens, unique=unique, warmup=warmup,
-        timeout=timeout, rss_limit_pct=rss_limit_pct, abort_every=abort_every,
+        topology,
+        backends=chosen,
+        requests=requests,
+        concurrency=concurrency,
+        pool_mb=pool_mb,
+        new_tokens=new_tokens,
+        unique=unique,
+        warmup=warmup,
+        timeout=timeout,
+        rss_limit_pct=rss_limit_pct,
+        abort_every=abort_every,
         decode_pool_tokens=decode_pool_tokens,
         progress=console.info if not opts.quiet else (lambda _: None),
-    )  # fmt: skip
+    )
     if stdout_json:
         console.emit_json(report)
     else:
@@ -91,8 +99,10 @@ def soak(
             json_file.write_text(jsonlib.dumps(report, indent=2) + "\n")
         render(report)
     if not report["passed"]:
-        raise CheckFailed("the soak failed: " + "; ".join(reasons(report)),
-                          hint="the JSON report (--json FILE) has every figure")  # fmt: skip
+        raise CheckFailed(
+            "the soak failed: " + "; ".join(reasons(report)),
+            hint="the JSON report (--json FILE) has every figure",
+        )
 
 
 def reasons(report: dict[str, Any]) -> list[str]:
@@ -119,23 +129,40 @@ def render(report: dict[str, Any]) -> None:
     if report.get("abort_every"):
         title += f", one room in {report['abort_every']} aborted mid-transfer"
     table = Table(title=title)
-    columns = ("transport", "requests", "aborted", "failed", "digest mismatches",
-               "mismatches", "req/s", "p50 ms", "p99 ms", "pools back", "ring wraps",
-               "max RSS growth %", "verdict")  # fmt: skip
+    columns = (
+        "transport",
+        "requests",
+        "aborted",
+        "failed",
+        "digest mismatches",
+        "mismatches",
+        "req/s",
+        "p50 ms",
+        "p99 ms",
+        "pools back",
+        "ring wraps",
+        "max RSS growth %",
+        "verdict",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "transport" else "right")
     for row in report["rows"]:
         growth = row["rss_max_growth_pct"]
         table.add_row(
-            row["transport"], str(row["requests"]), str(row["aborted"]), str(row["failed"]),
-            str(row["digest_mismatches"]), str(row["mismatches"]),
+            row["transport"],
+            str(row["requests"]),
+            str(row["aborted"]),
+            str(row["failed"]),
+            str(row["digest_mismatches"]),
+            str(row["mismatches"]),
             f"{row['requests_per_s']:.1f}",
-            str(row["latency_ms_p50"]), str(row["latency_ms_p99"]),
+            str(row["latency_ms_p50"]),
+            str(row["latency_ms_p99"]),
             "yes" if row["pools_back"] else "NO",
             str(max(row["ring_wraps"].values(), default=0)),
             "-" if growth is None else f"{growth:.2f}",
             "PASS" if row["passed"] else "FAIL",
-        )  # fmt: skip
+        )
     console.out.print(table)
     memory = Table(title=f"RSS per process (request {_warm(report)} -> end)")
     left = ("transport", "server", "process")
@@ -144,9 +171,16 @@ def render(report: dict[str, Any]) -> None:
     for row in report["rows"]:
         for p in row["rss"]:
             threads = f"{p['threads_warm']} -> {p['threads_end']}"
-            memory.add_row(row["transport"], p["server"], _short(p["title"]), str(p["pid"]),
-                           f"{p['rss_warm_mib']:.1f}", f"{p['rss_end_mib']:.1f}",
-                           f"{p['growth_pct']:.2f}", threads)  # fmt: skip
+            memory.add_row(
+                row["transport"],
+                p["server"],
+                _short(p["title"]),
+                str(p["pid"]),
+                f"{p['rss_warm_mib']:.1f}",
+                f"{p['rss_end_mib']:.1f}",
+                f"{p['growth_pct']:.2f}",
+                threads,
+            )
     console.out.print(memory)
     for backend, reason in report["skipped"].items():
         console.warning(f"{backend} not run: {reason}")

@@ -78,7 +78,10 @@ def status(
         for process in item["processes"]:
             mark = "green" if process["health"] == "healthy" else "red"
             table.add_row(
-                process["name"], process["role"], str(process["pid"]), process["url"],
+                process["name"],
+                process["role"],
+                str(process["pid"]),
+                process["url"],
                 f"[{mark}]{process['health']}[/{mark}]",
-            )  # fmt: skip
+            )
         console.out.print(table)

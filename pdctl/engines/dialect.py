@@ -78,17 +78,20 @@ class GenerateDialect(Dialect):
         body: dict[str, Any] = {
             **prompt,
             "sampling_params": {
-                "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True
+                "temperature": 0,
+                "max_new_tokens": max_new_tokens,
+                "ignore_eos": True,
             },
-        }  # fmt: skip
+        }
         if top:
             body |= {"return_logprob": True, "top_logprobs_num": top}
         return "/generate", body
 
     def canary(self) -> tuple[str, dict[str, Any]]:
         return "/generate", {
-            "text": "pdctl canary", "sampling_params": {"max_new_tokens": 1, "temperature": 0}
-        }  # fmt: skip
+            "text": "pdctl canary",
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        }
 
     def read(self, body: Any) -> Answer:
         answer = _object(body, "the answer")

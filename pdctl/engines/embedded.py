@@ -36,12 +36,17 @@ def model_args(topology: Topology, kv_pool_tokens: int | None = None) -> list[st
     else:
         args += ["--model-path", str(model.path)]
     args += [
-        "--dtype", topology.effective_dtype,
-        "--seed", str(model.seed),
-        "--page-size", str(serving.page_size),
-        "--max-running-requests", str(serving.max_running_requests),
-        "--chunked-prefill-tokens", str(serving.chunked_prefill_tokens),
-    ]  # fmt: skip
+        "--dtype",
+        topology.effective_dtype,
+        "--seed",
+        str(model.seed),
+        "--page-size",
+        str(serving.page_size),
+        "--max-running-requests",
+        str(serving.max_running_requests),
+        "--chunked-prefill-tokens",
+        str(serving.chunked_prefill_tokens),
+    ]
     if pool is not None:
         args += ["--kv-pool-tokens", str(pool)]
     if not serving.overlap:
@@ -127,10 +132,20 @@ class EmbeddedEngine(Engine):
         if tp > 1:
             slots.append(PortSlot(REFERENCE, "dist", "reference rendezvous"))
         args: list[str | Arg] = [
-            python(), "-m", "pdctl.serve", "--role", "colocated",
-            "--topology-name", topology.name, "--host", topology.host,
-            "--port", Arg((slots[0].ref,)), "--tp", str(tp),
-        ]  # fmt: skip
+            python(),
+            "-m",
+            "pdctl.serve",
+            "--role",
+            "colocated",
+            "--topology-name",
+            topology.name,
+            "--host",
+            topology.host,
+            "--port",
+            Arg((slots[0].ref,)),
+            "--tp",
+            str(tp),
+        ]
         if tp > 1:
             args += ["--dist-port", Arg((slots[1].ref,))]
         args += model_args(topology)
@@ -154,14 +169,22 @@ class EmbeddedEngine(Engine):
     ) -> Command:
         transfer = topology.transfer
         args: list[str | Arg] = [
-            python(), "-m", "pdctl.serve",
-            "--role", server.role,
-            "--topology-name", topology.name,
-            "--replica", str(server.replica),
-            "--host", Arg((host_ref(topology, server.name),)),
-            "--port", Arg((slots["http"].ref,)),
-            "--tp", str(server.tp),
-        ]  # fmt: skip
+            python(),
+            "-m",
+            "pdctl.serve",
+            "--role",
+            server.role,
+            "--topology-name",
+            topology.name,
+            "--replica",
+            str(server.replica),
+            "--host",
+            Arg((host_ref(topology, server.name),)),
+            "--port",
+            Arg((slots["http"].ref,)),
+            "--tp",
+            str(server.tp),
+        ]
         if "dist" in slots:
             args += ["--dist-port", Arg((slots["dist"].ref,))]
         if server.shares_devices:  # ranks on one device: each rank's index in the mask
@@ -181,18 +204,23 @@ class EmbeddedEngine(Engine):
             staging = transfer.staging
             args += [
                 "--staging",
-                "--staging-pool-mb", _mb(staging.pool_size_mb),
-                "--staging-segment-mb", _mb(staging.effective_segment_mb),
-            ]  # fmt: skip
+                "--staging-pool-mb",
+                _mb(staging.pool_size_mb),
+                "--staging-segment-mb",
+                _mb(staging.effective_segment_mb),
+            ]
         else:
             args.append("--no-staging")
         if "bootstrap" in slots:
             args += ["--bootstrap-port", Arg((slots["bootstrap"].ref,))]
         timeouts = transfer.timeouts
         args += [
-            "--connect-timeout", f"{timeouts.connect_s:g}",
-            "--bootstrap-timeout", f"{timeouts.bootstrap_s:g}",
-            "--transfer-timeout", f"{timeouts.transfer_s:g}",
-        ]  # fmt: skip
+            "--connect-timeout",
+            f"{timeouts.connect_s:g}",
+            "--bootstrap-timeout",
+            f"{timeouts.bootstrap_s:g}",
+            "--transfer-timeout",
+            f"{timeouts.transfer_s:g}",
+        ]
         args += role_spec(topology, server.role).args
         return command(*args)

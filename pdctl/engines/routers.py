@@ -74,12 +74,20 @@ def router_command(
         head: list[str | Arg] = (
             [python(), "-m", "sglang_router.launch_router", "--pd-disaggregation"]
             if kind == "sglang-router"
-            else [engine_python(topology), "-m", "vllm_router.launch_router",
-                  "--vllm-pd-disaggregation", "--kv-connector", topology.transfer.backend,
-                  # it serves only once every worker answered; asked every 30 s by default
-                  "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs",
-                  str(math.ceil(topology.launcher.startup_timeout_s))]
-        )  # fmt: skip
+            else [
+                engine_python(topology),
+                "-m",
+                "vllm_router.launch_router",
+                "--vllm-pd-disaggregation",
+                "--kv-connector",
+                topology.transfer.backend,
+                # it serves only once every worker answered; asked every 30 s by default
+                "--worker-startup-check-interval",
+                "1",
+                "--worker-startup-timeout-secs",
+                str(math.ceil(topology.launcher.startup_timeout_s)),
+            ]
+        )
         tail: list[str | Arg] = ["--request-timeout-secs", timeout]
         tail += ["--prometheus-host", Arg((host,)), "--prometheus-port", Arg((extra[0].ref,))]
     else:
@@ -95,8 +103,14 @@ def router_probes(topology: Topology) -> list[Probe]:
     slots = {slot.name: slot for slot in router_slots(topology)}
     probes = [health(host, slots)]
     if topology.router.kind == "builtin":
-        seen = Probe("ready", "both sides seen", host, slots["http"].ref, "/get_server_info",
-                     ready_field="ready")  # fmt: skip
+        seen = Probe(
+            "ready",
+            "both sides seen",
+            host,
+            slots["http"].ref,
+            "/get_server_info",
+            ready_field="ready",
+        )
         probes.append(seen)
     return probes
 

@@ -92,9 +92,11 @@ class SGLangEngine(Engine):
         transfer = topology.transfer
         host = host_ref(topology, server.name)
         pd: list[str | Arg] = [
-            "--disaggregation-mode", server.role,
-            "--disaggregation-transfer-backend", transfer.backend,
-        ]  # fmt: skip
+            "--disaggregation-mode",
+            server.role,
+            "--disaggregation-transfer-backend",
+            transfer.backend,
+        ]
         if "bootstrap" in slots:
             pd += ["--disaggregation-bootstrap-port", Arg((slots["bootstrap"].ref,))]
         if transfer.ib_devices:
@@ -167,9 +169,15 @@ class SGLangEngine(Engine):
             modules.append(module)
             reasons[module] = f"transfer.backend: {topology.transfer.backend}"
         return Requirements(
-            base.device_type, base.device_count, base.min_free_memory_gb, base.modules,
-            base.capabilities, reasons, engine_python(topology), tuple(modules),
-        )  # fmt: skip
+            base.device_type,
+            base.device_count,
+            base.min_free_memory_gb,
+            base.modules,
+            base.capabilities,
+            reasons,
+            engine_python(topology),
+            tuple(modules),
+        )
 
     def describe_staging(self, topology: Topology) -> str:
         if topology.uses_staging:  # SGLang sizes its own writes
@@ -216,23 +224,35 @@ def _server_args(
     disaggregation flags) goes right after the listener."""
     serving = topology.serving
     args: list[str | Arg] = [
-        engine_python(topology), "-m", "sglang.launch_server",
-        "--model-path", str(topology.model.path),
-        "--host", Arg((host,)),
-        "--port", Arg((slots["http"].ref,)),
+        engine_python(topology),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(topology.model.path),
+        "--host",
+        Arg((host,)),
+        "--port",
+        Arg((slots["http"].ref,)),
         *pd,
-        "--tp-size", str(tp),
-        "--base-gpu-id", "0",
-        "--device", topology.device,
-        "--nccl-port", Arg((slots["nccl"].ref,)),
-    ]  # fmt: skip
+        "--tp-size",
+        str(tp),
+        "--base-gpu-id",
+        "0",
+        "--device",
+        topology.device,
+        "--nccl-port",
+        Arg((slots["nccl"].ref,)),
+    ]
     if "dist" in slots:
         args += ["--dist-init-addr", Arg((host, ":", slots["dist"].ref))]
     args += [
-        "--page-size", str(serving.page_size),
-        "--max-running-requests", str(serving.max_running_requests),
-        "--chunked-prefill-size", str(serving.chunked_prefill_tokens),
-    ]  # fmt: skip
+        "--page-size",
+        str(serving.page_size),
+        "--max-running-requests",
+        str(serving.max_running_requests),
+        "--chunked-prefill-size",
+        str(serving.chunked_prefill_tokens),
+    ]
     if serving.kv_pool_tokens is not None:
         args += ["--max-total-tokens", str(serving.kv_pool_tokens)]
     if not serving.overlap:

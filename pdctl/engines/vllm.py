@@ -199,9 +199,16 @@ class VLLMEngine(Engine):
             cores = sum(server.tp for server in servers(topology))
             reasons[f"cpu_cores={cores}"] = "a core of its own for every server rank"
         return Requirements(
-            base.device_type, base.device_count, base.min_free_memory_gb, base.modules,
-            base.capabilities, reasons, engine_python(topology), tuple(modules), cores,
-        )  # fmt: skip
+            base.device_type,
+            base.device_count,
+            base.min_free_memory_gb,
+            base.modules,
+            base.capabilities,
+            reasons,
+            engine_python(topology),
+            tuple(modules),
+            cores,
+        )
 
     def describe_staging(self, topology: Topology) -> str:
         connector = CONNECTORS.get(topology.transfer.backend, topology.transfer.backend)
@@ -223,9 +230,17 @@ class VLLMEngine(Engine):
         model, folder = topology.model, preset_folder(topology)
         stamp = {"preset": model.preset, "seed": model.seed, "dtype": topology.effective_dtype}
         argv = (
-            python(), "-m", "pdctl.serve.export", "--preset", model.preset,
-            "--seed", str(model.seed), "--dtype", topology.effective_dtype, str(folder),
-        )  # fmt: skip
+            python(),
+            "-m",
+            "pdctl.serve.export",
+            "--preset",
+            model.preset,
+            "--seed",
+            str(model.seed),
+            "--dtype",
+            topology.effective_dtype,
+            str(folder),
+        )
         return [
             Preparation(
                 f"the {model.preset} preset (seed {model.seed}) as a checkpoint in {folder}",
@@ -245,20 +260,32 @@ def _server_args(
 ) -> list[str | Arg]:
     serving = topology.serving
     args: list[str | Arg] = [
-        engine_python(topology), "-m", SERVER_MODULE,
-        "--model", model_location(topology),
-        "--served-model-name", served_name(topology),
-        "--host", Arg((host,)),
-        "--port", Arg((port,)),
-        "--tensor-parallel-size", str(tp),
-        "--dtype", topology.effective_dtype,
-        "--seed", str(topology.model.seed),
-        "--block-size", str(serving.page_size),
-        "--max-num-seqs", str(serving.max_running_requests),
-        "--max-num-batched-tokens", str(serving.chunked_prefill_tokens),
+        engine_python(topology),
+        "-m",
+        SERVER_MODULE,
+        "--model",
+        model_location(topology),
+        "--served-model-name",
+        served_name(topology),
+        "--host",
+        Arg((host,)),
+        "--port",
+        Arg((port,)),
+        "--tensor-parallel-size",
+        str(tp),
+        "--dtype",
+        topology.effective_dtype,
+        "--seed",
+        str(topology.model.seed),
+        "--block-size",
+        str(serving.page_size),
+        "--max-num-seqs",
+        str(serving.max_running_requests),
+        "--max-num-batched-tokens",
+        str(serving.chunked_prefill_tokens),
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
-    ]  # fmt: skip
+    ]
     if serving.max_model_len is not None:
         args += ["--max-model-len", str(serving.max_model_len)]
     if serving.kv_pool_tokens is not None:

@@ -90,9 +90,13 @@ def probe(
     }
     try:
         done = subprocess.run(
-            [python, "-c", SCRIPT], input=json.dumps(spec), capture_output=True, text=True,
-            timeout=timeout, check=False,
-        )  # fmt: skip
+            [python, "-c", SCRIPT],
+            input=json.dumps(spec),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
     except FileNotFoundError:
         return EngineEnv(python, error=f"{python} does not exist")
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -105,6 +109,9 @@ def probe(
             python, error=f"{python} failed (exit {done.returncode}): " + " | ".join(tail)
         )
     return EngineEnv(
-        python, data.get("python"), data.get("modules", {}), data.get("versions", {}),
+        python,
+        data.get("python"),
+        data.get("modules", {}),
+        data.get("versions", {}),
         data.get("imports", {}),
-    )  # fmt: skip
+    )

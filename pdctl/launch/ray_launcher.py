@@ -141,8 +141,9 @@ class ProcessHost:
             self.allocation.release()
             self.allocation = None
 
-    def spawn(self, name: str, argv: list[str], overrides: dict[str, str], log_path: str,
-              host: str) -> dict[str, Any]:  # fmt: skip
+    def spawn(
+        self, name: str, argv: list[str], overrides: dict[str, str], log_path: str, host: str
+    ) -> dict[str, Any]:
         """Start the server; its pid and the folder its ranks log into on this node."""
         from pdctl.launch.loopback import confine
         from pdctl.launch.processes import spawn
@@ -241,8 +242,13 @@ class RemoteSpawned:
 class RayPlacement:
     """The actors and placement group of one run."""
 
-    def __init__(self, run_name: str, address: str, placement: str,
-                 resources: Mapping[str, Mapping[str, float]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run_name: str,
+        address: str,
+        placement: str,
+        resources: Mapping[str, Mapping[str, float]],
+    ) -> None:
         self.ray = connect(address)
         self.run_name, self.address = run_name, address
         self.strategy = "PACK" if placement == "pack" else "SPREAD"

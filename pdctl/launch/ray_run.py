@@ -51,8 +51,15 @@ class RayRun(Run):
                 name = state.plan.name
                 argv = render_command(state.plan.command, self.render_map)
                 log_path = self.dir / f"{name}-tp0.log"
-                started = self.ray.call(name, "spawn", name, argv, self.env_overrides(state.plan),
-                                        str(log_path), self.host_of(name))  # fmt: skip
+                started = self.ray.call(
+                    name,
+                    "spawn",
+                    name,
+                    argv,
+                    self.env_overrides(state.plan),
+                    str(log_path),
+                    self.host_of(name),
+                )
                 self.nodes[name]["log_dir"] = started["log_dir"]
                 state.spawned = RemoteSpawned(  # type: ignore[assignment]
                     name, int(started["pid"]), log_path, self.ray.actors[name], self.nodes[name]

@@ -84,8 +84,17 @@ def spawn_reference(run: Host, tp: int = 1) -> StartingReference:
     engine = get_engine(topology.engine)
     spec = engine.reference(topology, tp)
     ports = allocate(list(spec.slots), run.host)
-    plan = ProcessPlan("reference", REFERENCE_ROLE, 0, (), spec.slots, spec.env, spec.command,
-                       spec.probes, engine.workdir)  # fmt: skip
+    plan = ProcessPlan(
+        "reference",
+        REFERENCE_ROLE,
+        0,
+        (),
+        spec.slots,
+        spec.env,
+        spec.command,
+        spec.probes,
+        engine.workdir,
+    )
     state = ProcessState(plan, f"http://{run.host}:{ports.ports['reference.http']}")
     env = run.env_for(plan, ports.ports)
     faults = faults_of(topology, "colocated")  # engine faults: the reference has them too
@@ -96,9 +105,14 @@ def spawn_reference(run: Host, tp: int = 1) -> StartingReference:
     argv = render_command(spec.command, ports.ports)
     try:
         state.spawned = run.starter.spawn(
-            "reference", argv, env, run.dir / "reference-tp0.log",
-            die_with_parent=not run.detach, cwd=where, cores=spec.cores,
-        )  # fmt: skip
+            "reference",
+            argv,
+            env,
+            run.dir / "reference-tp0.log",
+            die_with_parent=not run.detach,
+            cwd=where,
+            cores=spec.cores,
+        )
     except BaseException:
         ports.release()
         raise

@@ -69,8 +69,11 @@ def cuda_devices(visible: str | None = None) -> dict[str, Any] | None:
     try:
         result = subprocess.run(
             [tool, "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=30, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         free: dict[int, float] = {}
         for line in result.stdout.strip().splitlines():
             number, mib = (part.strip() for part in line.split(","))

@@ -249,9 +249,10 @@ class Run:
         empty and no room open; returns (all back, what is still held, the rings' state)."""
         wanted = set(names) if names is not None else None
         servers = [
-            s for s in self.states
+            s
+            for s in self.states
             if s.plan.role in ("prefill", "decode") and (wanted is None or s.plan.name in wanted)
-        ]  # fmt: skip
+        ]
         deadline = time.monotonic() + timeout
         while True:
             problems: list[str] = []

@@ -147,8 +147,15 @@ def soak_one(
             samples["end"] = trace[-1][1]
 
     progress(f"  {requests} requests, {concurrency} in flight, {unique} distinct prompts")
-    load = Load(url, prompts, order, concurrency=concurrency, new_tokens=new_tokens,
-                timeout=timeout, on_done=on_done)  # fmt: skip
+    load = Load(
+        url,
+        prompts,
+        order,
+        concurrency=concurrency,
+        new_tokens=new_tokens,
+        timeout=timeout,
+        on_done=on_done,
+    )
     started = time.perf_counter()
     try:  # a Ctrl-C while the workers start stops them too (else they send on, forever)
         load.start()
@@ -189,9 +196,8 @@ def _answers(
     failures += [e for e in errors if e not in aborted]
     expected = [out for out, _ in reference]
     mismatched = [
-        o for o in outcomes
-        if o.output is not None and expected[o.prompt] not in (None, o.output)
-    ]  # fmt: skip
+        o for o in outcomes if o.output is not None and expected[o.prompt] not in (None, o.output)
+    ]
     first = mismatched[0] if mismatched else None
     return {
         "completed": len(outcomes),
@@ -295,11 +301,20 @@ def bench_soak(
             with make_run(plan).serving() as run:
                 row: dict[str, Any] = {"transport": backend}
                 row.update(
-                    soak_one(run, requests=requests, concurrency=concurrency, unique=unique,
-                             new_tokens=new_tokens, warmup=warm, timeout=timeout, seed=seed,
-                             rss_limit_pct=rss_limit_pct, progress=progress,
-                             aborts=abort_every is not None)
-                )  # fmt: skip
+                    soak_one(
+                        run,
+                        requests=requests,
+                        concurrency=concurrency,
+                        unique=unique,
+                        new_tokens=new_tokens,
+                        warmup=warm,
+                        timeout=timeout,
+                        seed=seed,
+                        rss_limit_pct=rss_limit_pct,
+                        progress=progress,
+                        aborts=abort_every is not None,
+                    )
+                )
                 rows.append(row)
             progress(f"{backend}: {'PASS' if row['passed'] else 'FAIL'}")
     return {

@@ -90,13 +90,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-pool-tokens", type=int)
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument(
-        "--deterministic", action=argparse.BooleanOptionalAction, default=True,
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="fixed-order (batch-invariant) kernels; --no-deterministic: the vendor fast path",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="decode steps as CUDA graphs on CUDA at TP 1",
-    )  # fmt: skip
+    )
     p.add_argument("--rank-devices", default="", help="each rank's device index, e.g. 0,0")
     p.add_argument("--transfer-backend", default="tcp", choices=["tcp", "mooncake", "nixl"])
     p.add_argument("--transport-ports", default="")
@@ -119,10 +123,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder", action="append", default=[])
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument(
-        "--pd-flow", choices=["bootstrap", "vllm"], default="bootstrap",
+        "--pd-flow",
+        choices=["bootstrap", "vllm"],
+        default="bootstrap",
         help="router: bootstrap fields to both sides at once (pdctl, SGLang), or vLLM's "
         "kv_transfer_params through prefill then decode",
-    )  # fmt: skip
+    )
     p.add_argument("--embedding-pool-mb", type=float, default=16.0)
     add_arguments(p)
     return p
@@ -141,22 +147,47 @@ def parse(argv: list[str]) -> ServerArgs:
         prefill.append((entry[0], port))
     ports = tuple(int(x) for x in a.transport_ports.split(",") if x)
     return ServerArgs(
-        role=a.role, topology_name=a.topology_name, replica=a.replica, host=a.host, port=a.port,
-        tp=a.tp, tp_rank=a.tp_rank, dist_port=a.dist_port, device=a.device,
-        model_preset=a.model_preset, model_path=a.model_path, dtype=a.dtype, seed=a.seed,
-        page_size=a.page_size, max_running_requests=a.max_running_requests,
-        chunked_prefill_tokens=a.chunked_prefill_tokens, kv_pool_tokens=a.kv_pool_tokens,
-        overlap=not a.disable_overlap, transfer_backend=a.transfer_backend, transport_ports=ports,
-        mooncake_protocol=a.mooncake_protocol, ib_devices=tuple(a.ib_device),
-        nixl_backend=a.nixl_backend, staging=a.staging, staging_pool_mb=a.staging_pool_mb,
-        staging_segment_mb=a.staging_segment_mb, bootstrap_port=a.bootstrap_port,
-        connect_timeout=a.connect_timeout, bootstrap_timeout=a.bootstrap_timeout,
-        transfer_timeout=a.transfer_timeout, prefill=tuple(prefill), decode=tuple(a.decode),
-        encoder=tuple(a.encoder), request_timeout=a.request_timeout, pd_flow=a.pd_flow,
-        embedding_pool_mb=a.embedding_pool_mb, deterministic=a.deterministic,
+        role=a.role,
+        topology_name=a.topology_name,
+        replica=a.replica,
+        host=a.host,
+        port=a.port,
+        tp=a.tp,
+        tp_rank=a.tp_rank,
+        dist_port=a.dist_port,
+        device=a.device,
+        model_preset=a.model_preset,
+        model_path=a.model_path,
+        dtype=a.dtype,
+        seed=a.seed,
+        page_size=a.page_size,
+        max_running_requests=a.max_running_requests,
+        chunked_prefill_tokens=a.chunked_prefill_tokens,
+        kv_pool_tokens=a.kv_pool_tokens,
+        overlap=not a.disable_overlap,
+        transfer_backend=a.transfer_backend,
+        transport_ports=ports,
+        mooncake_protocol=a.mooncake_protocol,
+        ib_devices=tuple(a.ib_device),
+        nixl_backend=a.nixl_backend,
+        staging=a.staging,
+        staging_pool_mb=a.staging_pool_mb,
+        staging_segment_mb=a.staging_segment_mb,
+        bootstrap_port=a.bootstrap_port,
+        connect_timeout=a.connect_timeout,
+        bootstrap_timeout=a.bootstrap_timeout,
+        transfer_timeout=a.transfer_timeout,
+        prefill=tuple(prefill),
+        decode=tuple(a.decode),
+        encoder=tuple(a.encoder),
+        request_timeout=a.request_timeout,
+        pd_flow=a.pd_flow,
+        embedding_pool_mb=a.embedding_pool_mb,
+        deterministic=a.deterministic,
         rank_devices=_rank_devices(p, a.rank_devices, a.tp),
-        cuda_graphs=a.cuda_graphs, settings=from_namespace(a),
-    )  # fmt: skip
+        cuda_graphs=a.cuda_graphs,
+        settings=from_namespace(a),
+    )
 
 
 def _rank_devices(p: argparse.ArgumentParser, text: str, tp: int) -> tuple[int, ...]:

@@ -129,9 +129,12 @@ def main() -> None:
         kv, ReqToToken(64, 4096), RadixCache(kv.pages, 16, enabled=False), Budget(64, 2048)
     )
     graphs = DecodeGraphs.for_runner(
-        ModelRunner(weights, kv, device), capacity=4096, scratch_row=kv.scratch_row,
-        max_batch=64, enabled=args.cuda_graphs,
-    )  # fmt: skip
+        ModelRunner(weights, kv, device),
+        capacity=4096,
+        scratch_row=kv.scratch_row,
+        max_batch=64,
+        enabled=args.cuda_graphs,
+    )
     engine = Engine(scheduler, graphs.forward, ByteTokenizer(config.shape.vocab_size))
     nbytes, bandwidth = weight_bytes(weights), read_gbps(device)
     bound_ms = nbytes / (bandwidth * 1e9) * 1e3
@@ -150,10 +153,15 @@ def main() -> None:
             rows.append({"mode": mode, "kernels": ops.kernel_mode(device.type), **row})
     engine.stop()
     report = {
-        "preset": args.preset, "device": str(device), "dtype": str(dtype),
-        "cuda_graphs": graphs.describe(), "weight_bytes": nbytes,
-        "read_gbps": round(bandwidth, 3), "bound_ms": round(bound_ms, 3), "rows": rows,
-    }  # fmt: skip
+        "preset": args.preset,
+        "device": str(device),
+        "dtype": str(dtype),
+        "cuda_graphs": graphs.describe(),
+        "weight_bytes": nbytes,
+        "read_gbps": round(bandwidth, 3),
+        "bound_ms": round(bound_ms, 3),
+        "rows": rows,
+    }
     if args.json:
         print(json.dumps(report))
     else:

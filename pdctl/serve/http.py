@@ -65,12 +65,17 @@ def run_servers(apps: list[tuple[FastAPI, str, int]]) -> None:
     servers = [
         _Server(
             uvicorn.Config(
-                app, host=host, port=port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=GRACE_S, timeout_keep_alive=KEEP_ALIVE_S,
+                app,
+                host=host,
+                port=port,
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=GRACE_S,
+                timeout_keep_alive=KEEP_ALIVE_S,
             )
         )
         for app, host, port in apps
-    ]  # fmt: skip
+    ]
 
     def stop(*_: object) -> None:
         STOPPING.set()

@@ -229,10 +229,15 @@ def start_rank(
         # ranks on one GPU): gloo, with the partials gathered through host memory
         backend = "gloo" if args.shares_devices else DIST_BACKENDS.get(device.type, "gloo")
         group = tensor_parallel.TPGroup(
-            args.tp_rank, args.tp, "127.0.0.1", args.dist_port, backend, 600,
+            args.tp_rank,
+            args.tp,
+            "127.0.0.1",
+            args.dist_port,
+            backend,
+            600,
             via_host=args.shares_devices and device.type != "cpu",
             shared_memory=args.settings.tp_gather == "futex",
-        )  # fmt: skip
+        )
     config, tokenizer = load_config(args)
     model = None
     if args.role != "encoder":  # the encoder's ranks run the encoder model only

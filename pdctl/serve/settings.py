@@ -44,44 +44,64 @@ class ServeSettings:
 
 ROWS: tuple[Setting, ...] = (
     Setting(
-        "cuda_graphs", "true", "decode steps replayed as CUDA graphs on CUDA at TP 1 (one "
+        "cuda_graphs",
+        "true",
+        "decode steps replayed as CUDA graphs on CUDA at TP 1 (one "
         "launch per step instead of one per kernel); off to compare or to debug a kernel",
         "--cuda-graphs / --no-cuda-graphs",
     ),
     Setting(
-        "switch_interval_us", "500", "the GIL switch interval of a PD server, in us: the KV "
+        "switch_interval_us",
+        "500",
+        "the GIL switch interval of a PD server, in us: the KV "
         "threads beside the engine's loop wait for the GIL up to this long per call "
-        "(CPython's 5 ms made a write ms of waiting)", "--switch-interval-us",
+        "(CPython's 5 ms made a write ms of waiting)",
+        "--switch-interval-us",
     ),
     Setting(
-        "cuda_schedule", "", "how CUDA waits for the device (spin, yield, blocking, auto), "
-        "set before the context exists; empty: the driver's choice", "--cuda-schedule",
+        "cuda_schedule",
+        "",
+        "how CUDA waits for the device (spin, yield, blocking, auto), "
+        "set before the context exists; empty: the driver's choice",
+        "--cuda-schedule",
     ),
     Setting(
-        "native_attention", "true", "the CPU's float32 attention in C (one query row at a "
+        "native_attention",
+        "true",
+        "the CPU's float32 attention in C (one query row at a "
         "time, a fixed order); off: the torch path, equal to rounding",
         "--native-attention / --no-native-attention",
     ),
     Setting(
-        "fork_ranks", "true", "on the CPU, TP ranks forked once the modules are imported "
+        "fork_ranks",
+        "true",
+        "on the CPU, TP ranks forked once the modules are imported "
         "(milliseconds, not 1.5 s of imports each); off: spawned",
         "--fork-ranks / --no-fork-ranks",
     ),
     Setting(
-        "tp_gather", "futex", "how TP ranks of one host gather: futexes over shared memory, "
-        "or gloo's collective (the fallback where futexes are missing)", "--tp-gather",
+        "tp_gather",
+        "futex",
+        "how TP ranks of one host gather: futexes over shared memory, "
+        "or gloo's collective (the fallback where futexes are missing)",
+        "--tp-gather",
     ),
     Setting(
-        "bells", "true", "doorbells in shared memory for a KV notice between processes of "
+        "bells",
+        "true",
+        "doorbells in shared memory for a KV notice between processes of "
         "one host instead of a message; off: the notice as a message (another host)",
         "--bells / --no-bells",
     ),
     Setting(
-        "notify_at", "write", "when prefill notifies decode that a room's KV landed: after "
+        "notify_at",
+        "write",
+        "when prefill notifies decode that a room's KV landed: after "
         "the write (write), once the first token is chosen (token), or from the room's "
-        "worker (worker)", "--notify-at",
+        "worker (worker)",
+        "--notify-at",
     ),
-)  # fmt: skip
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -63,9 +63,14 @@ class TPGroup:
             listener.bind((host, port))
             listener.listen(max(world, 16))
             store = dist.TCPStore(
-                host, port, world, True, timeout, wait_for_workers=False,
+                host,
+                port,
+                world,
+                True,
+                timeout,
+                wait_for_workers=False,
                 master_listen_fd=listener.detach(),  # the store owns the socket now
-            )  # fmt: skip
+            )
         else:
             store = dist.TCPStore(host, port, world, False, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

@@ -125,15 +125,27 @@ def run_shape(
 
     def gather() -> object:
         return gather_all_layers_to_staging(
-            prefill_k, prefill_v, pages, staging,
-            src_head_start=heads, num_heads=heads, page_size=shape.page_size, backend=name,
-        )  # fmt: skip
+            prefill_k,
+            prefill_v,
+            pages,
+            staging,
+            src_head_start=heads,
+            num_heads=heads,
+            page_size=shape.page_size,
+            backend=name,
+        )
 
     def scatter() -> object:
         return scatter_staging_to_kv(
-            staging, decode_k, decode_v, pages,
-            page_size=shape.page_size, dst_head_start=0, num_heads=heads, backend=name,
-        )  # fmt: skip
+            staging,
+            decode_k,
+            decode_v,
+            pages,
+            page_size=shape.page_size,
+            dst_head_start=0,
+            num_heads=heads,
+            backend=name,
+        )
 
     timings: dict[str, list[float]] = {"copy": [], "gather": [], "scatter": []}
     operations = {"copy": lambda: target.copy_(source), "gather": gather, "scatter": scatter}

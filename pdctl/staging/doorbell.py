@@ -72,8 +72,12 @@ class BoxInfo:
     slot_words: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "nonce": self.nonce, "slots": self.slots,
-                "slot_words": self.slot_words}  # fmt: skip
+        return {
+            "path": self.path,
+            "nonce": self.nonce,
+            "slots": self.slots,
+            "slot_words": self.slot_words,
+        }
 
     @staticmethod
     def from_json(data: Any) -> BoxInfo:
@@ -164,8 +168,9 @@ class BellBox:
             raise ValueError("a bell box needs at least one slot of one value")
         self._fd = os.memfd_create("pdctl-bells", os.MFD_CLOEXEC)
         nonce = secrets.randbits(63)
-        self.info = BoxInfo(f"/proc/{os.getpid()}/fd/{self._fd}", nonce, slots,
-                            SLOT_HEADER + capacity)  # fmt: skip
+        self.info = BoxInfo(
+            f"/proc/{os.getpid()}/fd/{self._fd}", nonce, slots, SLOT_HEADER + capacity
+        )
         os.ftruncate(self._fd, self.info.nbytes)
         self._mapped = _Mapped(self._fd, self.info)
         header = _header(self.info)

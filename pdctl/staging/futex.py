@@ -43,9 +43,14 @@ def wait(address: int, seen: int, timeout_s: float) -> None:
     seconds = max(0.0, timeout_s)
     timeout = _Timespec(int(seconds), int((seconds % 1) * 1e9))
     _FREE.syscall(
-        _SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_int32(seen).value,
-        ctypes.byref(timeout), None, 0,
-    )  # fmt: skip
+        _SYS_FUTEX,
+        ctypes.c_void_p(address),
+        _FUTEX_WAIT,
+        ctypes.c_int32(seen).value,
+        ctypes.byref(timeout),
+        None,
+        0,
+    )
 
 
 def wake(address: int) -> None:

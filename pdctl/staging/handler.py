@@ -263,10 +263,15 @@ class DecodeStagingHandler:
                 if len(sent) != per_segment * len(plan):
                     return DigestMismatch(writer, piece.prefill_rank, 0, "K", "pages")
                 found_in = page_digests(  # read in place from the pages (see kernels)
-                    self.k_buffers, self.v_buffers, pages, spans,
-                    head_start=piece.dst_head_start, num_heads=piece.num_heads,
-                    page_size=self.page_size, backend=self.backend,
-                )  # fmt: skip
+                    self.k_buffers,
+                    self.v_buffers,
+                    pages,
+                    spans,
+                    head_start=piece.dst_head_start,
+                    num_heads=piece.num_heads,
+                    page_size=self.page_size,
+                    backend=self.backend,
+                )
                 for number, received in enumerate(found_in):
                     found = first_mismatch(
                         sent[number * per_segment : (number + 1) * per_segment], received

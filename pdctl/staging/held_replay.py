@@ -36,8 +36,14 @@ from pdctl.staging.kernels.native import STAMPS, check_function
 log = logging.getLogger("pdctl.staging")
 
 SOURCE = Path(__file__).with_name("held_replay.c")
-STEPS = ("cuMemcpyHtoDAsync", "cuEventRecord (upload)", "cuStreamWaitEvent", "cuGraphLaunch",
-         "cuEventRecord", "cuEventQuery")  # fmt: skip
+STEPS = (
+    "cuMemcpyHtoDAsync",
+    "cuEventRecord (upload)",
+    "cuStreamWaitEvent",
+    "cuGraphLaunch",
+    "cuEventRecord",
+    "cuEventQuery",
+)
 # what pdctl_checked_replay leaves to its caller (held_replay.c), besides REPLAYED = 0
 SLOT_BUSY, FEW_STAMPS, IDS_REFUSED = 1, 2, 3
 
@@ -75,8 +81,13 @@ def replay_library() -> tuple[Any, str]:
     for function in (library.pdctl_replay, library.pdctl_checked_replay):
         function.restype = ctypes.c_int
     library.pdctl_replay.argtypes = [ctypes.c_void_p] * 2
-    library.pdctl_checked_replay.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                             ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+    library.pdctl_checked_replay.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
     return library, "built"
 
 
@@ -146,9 +157,19 @@ def held_replay(
         return None
     device_ids, host_ids, nbytes = ids
     args = ReplayArgs(
-        address(calls.copy_to_device), address(calls.event_record), address(calls.stream_wait),
-        address(calls.graph_launch), device_ids, host_ids, nbytes, upload.stream_handle,
-        upload.done.handle.value, graph.executable.value, done.handle.value,
-        address(calls.event_query), check_function() or 0, nbytes // 8,
-    )  # fmt: skip
+        address(calls.copy_to_device),
+        address(calls.event_record),
+        address(calls.stream_wait),
+        address(calls.graph_launch),
+        device_ids,
+        host_ids,
+        nbytes,
+        upload.stream_handle,
+        upload.done.handle.value,
+        graph.executable.value,
+        done.handle.value,
+        address(calls.event_query),
+        check_function() or 0,
+        nbytes // 8,
+    )
     return HeldReplay(library, args, (upload, graph, done))

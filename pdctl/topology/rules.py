@@ -327,8 +327,10 @@ def check_launcher(topology: Topology, context: RuleContext) -> Iterator[Issue]:
     launcher = topology.launcher
     if launcher.kind == "local":
         ray_keys: tuple[tuple[str, object], ...] = (
-            ("address", "auto"), ("placement", "spread"), ("resources", {})
-        )  # fmt: skip
+            ("address", "auto"),
+            ("placement", "spread"),
+            ("resources", {}),
+        )
         for key, default in ray_keys:
             if getattr(launcher, key) != default:
                 yield Issue(

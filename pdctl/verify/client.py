@@ -112,8 +112,9 @@ def _answer(
         answer = dialect.read(response.json())
     except ValueError as exc:  # not JSON, or not an answer of this dialect
         what = exc if isinstance(exc, AnswerError) else "the answer is not JSON"
-        return Result(prompt, False, latency_ms=latency, status=200,
-                      error=f"{what}: {response.text[:200]!r}")  # fmt: skip
+        return Result(
+            prompt, False, latency_ms=latency, status=200, error=f"{what}: {response.text[:200]!r}"
+        )
     if not answer.output_ids and wanted > 0:
         return Result(
             prompt,

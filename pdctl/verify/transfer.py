@@ -94,17 +94,21 @@ def judge(
         return Finding(pass_name, who, "kv-unproven", f"the transfer cannot be proven: {exc}")
     if not verdict.settled:
         return Finding(
-            pass_name, who, "kv-unproven",
+            pass_name,
+            who,
+            "kv-unproven",
             f"{source} did not count {len(answered)} finished request(s) within "
             f"{SETTLE_S:g} s: the transfer is not proven",
-        )  # fmt: skip
+        )
     if verdict.problem is not None:
         many = "" if who != "-" else f" (over the pass's {len(answered)} requests)"
         return Finding(
-            pass_name, who, "kv-not-transferred",
+            pass_name,
+            who,
+            "kv-not-transferred",
             f"requested is not effective: {verdict.problem}{many}, per {source}",
             evidence={"source": source},
-        )  # fmt: skip
+        )
     for result in answered:
         result.transfer_proven = source
     return None

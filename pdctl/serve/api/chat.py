@@ -95,9 +95,11 @@ async def chat(ctx: ServerContext, body: ChatBody, http: HttpRequest) -> Respons
         def chunk(delta: str | None, finish: str | None) -> dict[str, Any]:
             said = {"role": "assistant", "content": ""} if delta is None else {"content": delta}
             choice = {
-                "index": 0, "delta": said if delta != "" or finish is None else {},
-                "logprobs": None, "finish_reason": finish,
-            }  # fmt: skip
+                "index": 0,
+                "delta": said if delta != "" or finish is None else {},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
             return {**head, "object": "chat.completion.chunk", "choices": [choice]}
 
         events = stream_choice(ctx, body, submission, http, chunk, opening=True)

@@ -81,9 +81,12 @@ def render_chat(
     try:
         compiled = _compiled(template or PLAIN_TEMPLATE)
         return compiled.render(
-            messages=messages, add_generation_prompt=True, tools=None, documents=None,
+            messages=messages,
+            add_generation_prompt=True,
+            tools=None,
+            documents=None,
             **special_tokens,
-        )  # fmt: skip
+        )
     except TemplateError:
         raise
     except jinja2.TemplateError as exc:

@@ -139,11 +139,16 @@ async def generate(ctx: ServerContext, body: GenerateBody, http: HttpRequest) ->
         raise BadRequest("streaming takes one prompt, not a batch", "stream")
     submissions = [
         Submission(
-            ctx, prompt, params, body.rid if body.rid and not batch else uuid.uuid4().hex,
-            logprobs, pd, embeds,
+            ctx,
+            prompt,
+            params,
+            body.rid if body.rid and not batch else uuid.uuid4().hex,
+            logprobs,
+            pd,
+            embeds,
         )
         for prompt in ids
-    ]  # fmt: skip
+    ]
     if body.stream:
         return StreamingResponse(
             stream_generate(ctx, body, submissions[0], http), media_type="text/event-stream"

@@ -32,6 +32,7 @@ def add_models(app: FastAPI, name: str, max_context: int) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         if model_id != name:
-            raise BadRequest(f"no model {model_id!r} here; this server serves {name!r}",
-                             "model", status=404)  # fmt: skip
+            raise BadRequest(
+                f"no model {model_id!r} here; this server serves {name!r}", "model", status=404
+            )
         return model_card(name, max_context)

@@ -18,10 +18,21 @@ from pdctl.serve.api.fields import HOST, check_neutral
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
 _NEUTRAL = (
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "n", "best_of",
-    "min_tokens", "logit_bias", "suffix", "echo", "response_format", "tools",
-    "tool_choice", "functions", "function_call",
-)  # fmt: skip
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "n",
+    "best_of",
+    "min_tokens",
+    "logit_bias",
+    "suffix",
+    "echo",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+)
 
 
 class StreamOptions(BaseModel):

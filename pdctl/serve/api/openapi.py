@@ -126,8 +126,9 @@ def _complete(
         _add_model(components, route.body)
         reference = {"$ref": f"#/components/schemas/{route.body.__name__}"}
         operation["requestBody"] = {
-            "required": True, "content": {"application/json": {"schema": reference}}
-        }  # fmt: skip
+            "required": True,
+            "content": {"application/json": {"schema": reference}},
+        }
     statuses = set(route.statuses)
     if "requestBody" in operation:
         statuses |= set(BODY_STATUSES)

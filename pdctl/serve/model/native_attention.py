@@ -47,9 +47,14 @@ def _kernel() -> tuple[Any, str]:  # (the C function or None, why)
         return None, str(exc)
     function = library.pdctl_paged_attention_f32
     function.argtypes = (
-        [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4
-        + [ctypes.c_int64] * 5 + [ctypes.c_float] + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    )  # fmt: skip
+        [ctypes.c_void_p] * 4
+        + [ctypes.c_int64] * 2
+        + [ctypes.c_void_p] * 4
+        + [ctypes.c_int64] * 5
+        + [ctypes.c_float]
+        + [ctypes.c_int64] * 2
+        + [ctypes.c_int]
+    )
     function.restype = ctypes.c_int
     return function, "built"
 
@@ -120,14 +125,28 @@ def paged_attention(
         raise ValueError(f"{queries} queries in the key table, q has {rows} rows")
     q = q.contiguous()
     out = torch.zeros_like(q)
-    table = [t if t.is_contiguous() else t.contiguous() for t in (
-        keys.rows, keys.key_offsets, keys.query_offsets, keys.starts)]  # fmt: skip
+    table = [
+        t if t.is_contiguous() else t.contiguous()
+        for t in (keys.rows, keys.key_offsets, keys.query_offsets, keys.starts)
+    ]
     status = function(
-        q.data_ptr(), k_buffer.data_ptr(), v_buffer.data_ptr(), out.data_ptr(),
-        heads * dim, kv_heads * dim, *(t.data_ptr() for t in table),
-        keys.lengths.numel(), queries, heads, kv_heads, dim, scale, window or 0,
-        max_keys, torch.get_num_threads(),
-    )  # fmt: skip
+        q.data_ptr(),
+        k_buffer.data_ptr(),
+        v_buffer.data_ptr(),
+        out.data_ptr(),
+        heads * dim,
+        kv_heads * dim,
+        *(t.data_ptr() for t in table),
+        keys.lengths.numel(),
+        queries,
+        heads,
+        kv_heads,
+        dim,
+        scale,
+        window or 0,
+        max_keys,
+        torch.get_num_threads(),
+    )
     if status != 0:
         raise MemoryError("the C attention could not allocate its scratch memory")
     return out

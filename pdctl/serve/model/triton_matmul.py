@@ -81,9 +81,20 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if m and n:
         grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N), batch)
         _matmul_kernel[grid](
-            a3, b3, c, m, n, k, *a3.stride(), *b3.stride(), *c.stride(),
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            a3,
+            b3,
+            c,
+            m,
+            n,
+            k,
+            *a3.stride(),
+            *b3.stride(),
+            *c.stride(),
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
             PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-        )  # fmt: skip
+            num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
+        )
     return c if batched else c[0]

@@ -73,9 +73,16 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, width), dtype=gate.dtype, device=gate.device)  # [M, I]
     if rows and width:
         _silu_mul_kernel[(rows, triton.cdiv(width, BLOCK))](
-            gate, up, out, width, gate.stride(0), up.stride(0), out.stride(0),
-            BLOCK=BLOCK, num_warps=NUM_WARPS,
-        )  # fmt: skip
+            gate,
+            up,
+            out,
+            width,
+            gate.stride(0),
+            up.stride(0),
+            out.stride(0),
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )
     return out
 
 
@@ -95,9 +102,17 @@ def add_chunk_sums(partials: torch.Tensor, residual: torch.Tensor | None) -> tor
     out = torch.empty((rows, width), dtype=partials.dtype, device=partials.device)  # [M, N]
     if rows and width:
         _add_chunk_sums_kernel[(rows, triton.cdiv(width, BLOCK))](
-            partials, out if residual is None else residual, out, chunks, width,
-            partials.stride(0), partials.stride(1),
-            0 if residual is None else residual.stride(0), out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
-        )  # fmt: skip
+            partials,
+            out if residual is None else residual,
+            out,
+            chunks,
+            width,
+            partials.stride(0),
+            partials.stride(1),
+            0 if residual is None else residual.stride(0),
+            out.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )
     return out

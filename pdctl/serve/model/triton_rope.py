@@ -97,12 +97,28 @@ def rope_and_cache(
     q = torch.empty((tokens, q_heads, dim), dtype=k_buffer.dtype, device=qkv.device)
     if tokens:
         _rope_and_cache_kernel[(tokens, q_heads + kv_heads)](
-            qkv, cos, sin, q, k_buffer, v_buffer, new_rows, new_rows.shape[0],
-            qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
-            k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-            Q_HEADS=q_heads, KV_HEADS=kv_heads, HALF=dim // 2,
-            BLOCK=triton.next_power_of_2(dim // 2), num_warps=1,
-        )  # fmt: skip
+            qkv,
+            cos,
+            sin,
+            q,
+            k_buffer,
+            v_buffer,
+            new_rows,
+            new_rows.shape[0],
+            qkv.stride(0),
+            cos.stride(0),
+            q.stride(0),
+            q.stride(1),
+            k_buffer.stride(0),
+            k_buffer.stride(1),
+            v_buffer.stride(0),
+            v_buffer.stride(1),
+            Q_HEADS=q_heads,
+            KV_HEADS=kv_heads,
+            HALF=dim // 2,
+            BLOCK=triton.next_power_of_2(dim // 2),
+            num_warps=1,
+        )
     return q
 
 

@@ -60,9 +60,13 @@ class CorruptKV:
         found = writer.describe(write, plan, clock)
         writer.transport.write(write.peer, found.src, found.dst, found.lengths)
         _overwrite_flipped(
-            writer.transport, writer.buffer, write.peer, int(found.src[0]), int(found.dst[0]),
+            writer.transport,
+            writer.buffer,
+            write.peer,
+            int(found.src[0]),
+            int(found.dst[0]),
             found.message(),
-        )  # fmt: skip
+        )
         return found.nbytes
 
 

@@ -73,20 +73,28 @@ class DirectWriter:
         room, pages, reg = write.room, write.pages, write.reg
         piece = write.layout.slices[write.writer]
         src, dst, lengths = direct_descriptors(
-            self.kv_bases, [address for pair in reg.kv_bases for address in pair], pages,
+            self.kv_bases,
+            [address for pair in reg.kv_bases for address in pair],
+            pages,
             reg.pages,
             KVRows(
-                page_size=self.kv.page_size, head_bytes=reg.head_dim * reg.elem_bytes,
-                src_heads=self.kv.k_buffers[0].shape[1], dst_heads=reg.kv_heads, piece=piece,
+                page_size=self.kv.page_size,
+                head_bytes=reg.head_dim * reg.elem_bytes,
+                src_heads=self.kv.k_buffers[0].shape[1],
+                dst_heads=reg.kv_heads,
+                piece=piece,
             ),
-        )  # fmt: skip
+        )
         started = time.perf_counter()
         pending = start_page_digests(
-            self.kv.k_buffers, self.kv.v_buffers, pages,
+            self.kv.k_buffers,
+            self.kv.v_buffers,
+            pages,
             [(segment.page_start, segment.num_pages) for segment in plan],
-            head_start=piece.src_head_start, num_heads=piece.num_heads,
+            head_start=piece.src_head_start,
+            num_heads=piece.num_heads,
             page_size=self.kv.page_size,
-        )  # fmt: skip
+        )
         clock.digest += time.perf_counter() - started
         nbytes = int(lengths.sum())
 

@@ -135,8 +135,12 @@ class Fence:
             if self.liveness.gone(bootstrap, exc):
                 log.warning(
                     "%s: prefill %s is gone (%s): it writes nothing more; the memory of "
-                    "%d fenced rooms goes back", self.name, bootstrap, exc, len(rooms),
-                )  # fmt: skip
+                    "%d fenced rooms goes back",
+                    self.name,
+                    bootstrap,
+                    exc,
+                    len(rooms),
+                )
                 self._release(rooms, "writer_gone")
             else:
                 time.sleep(RETRY_S)
@@ -152,8 +156,12 @@ class Fence:
             log.error(
                 "%s: room %s: prefill %s did not confirm within %g s that its senders "
                 "stopped; the room's memory goes back unconfirmed (a late write could land "
-                "in memory handed out since)", self.name, held.room, held.bootstrap, self.bound_s,
-            )  # fmt: skip
+                "in memory handed out since)",
+                self.name,
+                held.room,
+                held.bootstrap,
+                self.bound_s,
+            )
         self._release(late, "unconfirmed")
 
     def _release(self, rooms: Iterable[Fenced], how: str) -> None:

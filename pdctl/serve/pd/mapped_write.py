@@ -64,9 +64,14 @@ class WriteObserver(Protocol):
     def firing(self, fire: Callable[[], T]) -> T: ...
 
     def finished(
-        self, started: StartedWrite, told: str, inline: bool, device_s: float,
-        finish_s: float, seconds: float,
-    ) -> None: ...  # fmt: skip
+        self,
+        started: StartedWrite,
+        told: str,
+        inline: bool,
+        device_s: float,
+        finish_s: float,
+        seconds: float,
+    ) -> None: ...
 
 
 class NoObserver:
@@ -79,9 +84,14 @@ class NoObserver:
         return fire()
 
     def finished(
-        self, started: StartedWrite, told: str, inline: bool, device_s: float,
-        finish_s: float, seconds: float,
-    ) -> None:  # fmt: skip
+        self,
+        started: StartedWrite,
+        told: str,
+        inline: bool,
+        device_s: float,
+        finish_s: float,
+        seconds: float,
+    ) -> None:
         pass
 
 
@@ -191,14 +201,22 @@ class MappedWriter:
                 assert ticket is not None
                 address = ringer.device_slot(ticket.slot, first.device)
                 scratch = self.kv.scratch_row // self.kv.page_size
-                own = [b for pair in zip(self.kv.k_buffers, self.kv.v_buffers, strict=True)
-                       for b in pair]  # fmt: skip
+                own = [
+                    b
+                    for pair in zip(self.kv.k_buffers, self.kv.v_buffers, strict=True)
+                    for b in pair
+                ]
                 pending = start_page_write(
-                    self.kv.k_buffers, self.kv.v_buffers, [scratch],
-                    PeerPages(own, [scratch], 0), [(0, 1)], head_start=0,
-                    num_heads=first.shape[1], page_size=self.kv.page_size,
+                    self.kv.k_buffers,
+                    self.kv.v_buffers,
+                    [scratch],
+                    PeerPages(own, [scratch], 0),
+                    [(0, 1)],
+                    head_start=0,
+                    num_heads=first.shape[1],
+                    page_size=self.kv.page_size,
                     bell=None if address is None else (address, ticket.seq),
-                )  # fmt: skip
+                )
                 pending.result()
                 if pending.rung and box.wait(ticket, 5.0) is None:
                     log.warning("the doorbell warm-up rang nothing: device rings may not arrive")
@@ -235,12 +253,16 @@ class MappedWriter:
         if bell is not None and bell.device_slot is not None:
             device_bell = (bell.device_slot, bell.ticket.seq)
         launch = arm_page_write(
-            self.kv.k_buffers, self.kv.v_buffers, pages,
+            self.kv.k_buffers,
+            self.kv.v_buffers,
+            pages,
             PeerPages(buffers, reg.pages, piece.dst_head_start),
             [(segment.page_start, segment.num_pages) for segment in plan],
-            head_start=piece.src_head_start, num_heads=piece.num_heads,
-            page_size=self.kv.page_size, bell=device_bell,
-        )  # fmt: skip
+            head_start=piece.src_head_start,
+            num_heads=piece.num_heads,
+            page_size=self.kv.page_size,
+            bell=device_bell,
+        )
         nbytes = layout.block_bytes(write.writer, len(pages) * self.kv.page_size)
         return ArmedWrite(write.room, write.peer, launch, nbytes, bell, first.device, self.observer)
 
@@ -286,9 +308,11 @@ class MappedWriter:
         finish_s = time.perf_counter() - began_s
         seconds = started.began.elapsed_time(told) / 1e3
         device_s = started.began.elapsed_time(started.ended) / 1e3
-        how = "doorbell (device)" if started.rang else (
-            "doorbell (host)" if bell is not None else "notification"
-        )  # fmt: skip
+        how = (
+            "doorbell (device)"
+            if started.rang
+            else ("doorbell (host)" if bell is not None else "notification")
+        )
         self.observer.finished(started, how, inline, device_s, finish_s, seconds)
         started.done_s = seconds
         return seconds

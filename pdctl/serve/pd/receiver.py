@@ -56,9 +56,15 @@ def segment_region(offer: Offer) -> proto.SegmentRegion:
     """A handler's offer as the protocol carries it to prefill."""
     segment, region, watermark = offer.segment, offer.region, offer.watermark
     return proto.SegmentRegion(
-        segment.index, segment.page_start, segment.num_pages, offer.address,
-        region.start, region.size, region.capacity, (watermark.round, watermark.tail),
-    )  # fmt: skip
+        segment.index,
+        segment.page_start,
+        segment.num_pages,
+        offer.address,
+        region.start,
+        region.size,
+        region.capacity,
+        (watermark.round, watermark.tail),
+    )
 
 
 class KVReceiver:
@@ -134,10 +140,11 @@ class KVReceiver:
         with self.handlers_lock:
             if prefill_tp not in self.handlers:
                 layout = StagingLayout(
-                    len(self.kv.k_buffers), self.kv.k_buffers[0].shape[2],
+                    len(self.kv.k_buffers),
+                    self.kv.k_buffers[0].shape[2],
                     self.kv.kv.element_size(),
                     head_slices(num_kv_heads, prefill_tp, self.tp, self.rank),
-                )  # fmt: skip
+                )
                 self.handlers[prefill_tp] = DecodeStagingHandler(
                     self.kv.k_buffers,
                     self.kv.v_buffers,
@@ -194,14 +201,20 @@ class KVReceiver:
         prefill_tp, heads = int(info["tp"]), int(info["num_kv_heads"])
         staged = self.staging and prefill_tp != self.tp
         base = proto.Registration(
-            room=room, decode_rank=self.rank, decode_tp=self.tp, decode_name=self.name,
+            room=room,
+            decode_rank=self.rank,
+            decode_tp=self.tp,
+            decode_name=self.name,
             transport=base64.b64encode(self.transport.describe()).decode(),
-            num_tokens=num_tokens, page_size=self.kv.page_size,
-            mode="staging" if staged else "direct", kv_heads=self.heads_total,
+            num_tokens=num_tokens,
+            page_size=self.kv.page_size,
+            mode="staging" if staged else "direct",
+            kv_heads=self.heads_total,
             head_dim=self.kv.k_buffers[0].shape[2],
-            num_layers=len(self.kv.k_buffers), elem_bytes=self.kv.kv.element_size(),
+            num_layers=len(self.kv.k_buffers),
+            elem_bytes=self.kv.kv.element_size(),
             segment_bytes=self.segment_bytes,
-        )  # fmt: skip
+        )
         handler = self.handler(prefill_tp, heads)
         if staged:
             return self._staged(room, pages, base, handler, bootstrap, ready)

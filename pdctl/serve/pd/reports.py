@@ -69,9 +69,12 @@ class RankReport:
 
     def to_json(self) -> dict[str, Any]:
         out = {
-            "rank": self.rank, "ok": self.ok, "error": self.error, "staging": self.staging,
+            "rank": self.rank,
+            "ok": self.ok,
+            "error": self.error,
+            "staging": self.staging,
             "notice": self.notice,
-        }  # fmt: skip
+        }
         return {**out, **{name: getattr(self, name) for name in (*COUNTS, *TIMES)}}
 
 

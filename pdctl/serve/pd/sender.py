@@ -255,9 +255,11 @@ class KVSender:
                 continue
             registration = self._registration(room, decode_rank, deadline)
             layout = StagingLayout(  # decode's row shape, as it registered
-                len(self.kv.k_buffers), registration.head_dim, registration.elem_bytes,
+                len(self.kv.k_buffers),
+                registration.head_dim,
+                registration.elem_bytes,
                 layout.slices,
-            )  # fmt: skip
+            )
             started = time.perf_counter()
             if registration.mode == "staging":
                 sent, count, waited = self._staged(room, pages, registration, layout, writer, job)
@@ -297,10 +299,14 @@ class KVSender:
     ) -> tuple[int, list[int]]:
         started = time.perf_counter()
         nbytes = gather_all_layers_to_staging(
-            self.kv.k_buffers, self.kv.v_buffers, pages, buffer.tensor,
-            src_head_start=piece.src_head_start, num_heads=piece.num_heads,
+            self.kv.k_buffers,
+            self.kv.v_buffers,
+            pages,
+            buffer.tensor,
+            src_head_start=piece.src_head_start,
+            num_heads=piece.num_heads,
             page_size=self.kv.page_size,
-        )  # fmt: skip
+        )
         dev.synchronize_stream(buffer.producer_stream())  # the transport reads next
         gathered = time.perf_counter()
         digests = block_digests(buffer.view(0, nbytes), len(self.kv.k_buffers))

@@ -266,10 +266,13 @@ def fence_state(hooks: DecodeHooks) -> FenceState:
         rooms |= set(handler.fenced)
     counts = receiver.fence.counts
     return FenceState(
-        rooms=len(rooms), pages=scheduler.num_fenced_pages,
-        regions=sum(handler.num_fenced for handler in handlers), released=counts["released"],
-        writer_gone=counts["writer_gone"], unconfirmed=counts["unconfirmed"],
-    )  # fmt: skip
+        rooms=len(rooms),
+        pages=scheduler.num_fenced_pages,
+        regions=sum(handler.num_fenced for handler in handlers),
+        released=counts["released"],
+        writer_gone=counts["writer_gone"],
+        unconfirmed=counts["unconfirmed"],
+    )
 
 
 def run_worker(rank: Rank) -> None:

@@ -41,8 +41,9 @@ from pdctl.serve.router.workers import RouterState, check_health
 CLIENT_KEEP_ALIVE_S = 10  # under the servers' 30 s (serve/http.py KEEP_ALIVE_S)
 
 FORWARDED = ("/generate", "/v1/completions", "/v1/chat/completions")
-PRINTABLE = Path(description="A model id; one a URL cannot carry is refused.",
-                 pattern=r"^[^\x00-\x1f\x7f]+$")  # fmt: skip
+PRINTABLE = Path(
+    description="A model id; one a URL cannot carry is refused.", pattern=r"^[^\x00-\x1f\x7f]+$"
+)
 SIDES = (400, 404, 502, 503, 504)  # a request through the router: its own and the sides'
 # the bodies are forwarded as they came (size and depth guarded), documented, not parsed
 ROUTES: dict[tuple[str, str], Route] = {

@@ -92,9 +92,10 @@ class RouterState:
     @property
     def ready(self) -> bool:
         return all(
-            any(w.healthy for w in workers) for workers in (self.prefill, self.decode, self.encoder)
+            any(w.healthy for w in workers)
+            for workers in (self.prefill, self.decode, self.encoder)
             if workers
-        )  # fmt: skip
+        )
 
     def not_ready_reason(self) -> str:
         """Which side has no healthy worker, and what its workers last answered."""

@@ -227,10 +227,13 @@ def _replayed(
         if value is not captured.MISSED:
             return value
     return CAPTURED.arm(
-        key, (k_buffers, v_buffers), staging.device,
-        lambda into: host_ids(k_buffers, v_buffers, page_indices, page_size, into), eager,
+        key,
+        (k_buffers, v_buffers),
+        staging.device,
+        lambda into: host_ids(k_buffers, v_buffers, page_indices, page_size, into),
+        eager,
         page_indices,
-    )()  # fmt: skip
+    )()
 
 
 _DIGEST_SCRATCH = threading.local()  # per thread: scratch for digests gathered first
@@ -288,9 +291,15 @@ def page_digests(
     """For each segment (page_start, num_pages) of the page list, the digests that
     `block_digests` gives of its gathered head slice, [L0.K, L0.V, L1.K, ...]."""
     return start_page_digests(
-        k_buffers, v_buffers, page_indices, segments, head_start=head_start,
-        num_heads=num_heads, page_size=page_size, backend=backend,
-    ).result()  # fmt: skip
+        k_buffers,
+        v_buffers,
+        page_indices,
+        segments,
+        head_start=head_start,
+        num_heads=num_heads,
+        page_size=page_size,
+        backend=backend,
+    ).result()
 
 
 def start_page_digests(
@@ -322,9 +331,12 @@ def start_page_digests(
         views = kvset.views(4)
         num_cols = num_heads * head_bytes // 4
         rows = PageRows(
-            DIGEST_TABLES.get(views), pages, views[0].shape[1], head_start * head_bytes // 4,
+            DIGEST_TABLES.get(views),
+            pages,
+            views[0].shape[1],
+            head_start * head_bytes // 4,
             ALIGNED.get(views),
-        )  # fmt: skip
+        )
         sums = launch_page_digest_sums(
             rows, list(segments), num_buffers=len(views), page_size=page_size, num_cols=num_cols
         )
@@ -336,9 +348,15 @@ def start_page_digests(
         nbytes = 2 * info.num_layers * count * page_size * num_heads * head_bytes
         scratch = _digest_scratch(info.device, nbytes)
         gather_all_layers_to_staging(
-            k_buffers, v_buffers, pages[start : start + count], scratch,
-            src_head_start=head_start, num_heads=num_heads, page_size=page_size, backend=name,
-        )  # fmt: skip
+            k_buffers,
+            v_buffers,
+            pages[start : start + count],
+            scratch,
+            src_head_start=head_start,
+            num_heads=num_heads,
+            page_size=page_size,
+            backend=name,
+        )
         digests.append(block_digests(scratch, info.num_layers, backend=name))
     return PendingDigests(None, [], 2 * info.num_layers, ready=digests)
 

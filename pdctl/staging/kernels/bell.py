@@ -88,7 +88,15 @@ def ring_from_device(ids: torch.Tensor, at: int, values: torch.Tensor, kind: int
     if ids.numel() < at + 3:
         raise ValueError(f"the ids hold no ring at {at} (address, number, count)")
     constexprs = (
-        BLOCK, SLOT_HEADER, SEQ, CHECK, COUNT, KIND, CHECK_SEQ, CHECK_COUNT, CHECK_KIND,
-    )  # fmt: skip
+        BLOCK,
+        SLOT_HEADER,
+        SEQ,
+        CHECK,
+        COUNT,
+        KIND,
+        CHECK_SEQ,
+        CHECK_COUNT,
+        CHECK_KIND,
+    )
     with dev.device_context(values.device):  # Triton launches on the thread's current device
         _RING((1, 1, 1), (ids, values.contiguous()), (at, count, kind), constexprs, 4)

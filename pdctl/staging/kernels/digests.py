@@ -56,10 +56,15 @@ def digest_sums(words: torch.Tensor) -> list[int]:
 
 @triton.jit(
     do_not_specialize=[
-        "num_buffers", "page_size", "row_words", "col_start", "dst_row_words", "dst_col_start",
+        "num_buffers",
+        "page_size",
+        "row_words",
+        "col_start",
+        "dst_row_words",
+        "dst_col_start",
         "blocks",
     ]
-)  # fmt: skip
+)
 def _page_digest_kernel(  # type: ignore[no-untyped-def]
     table_ptr,
     pages_ptr,
@@ -179,9 +184,14 @@ def launch_page_digest_sums(
         dst_table, dst_row_words, dst_col_start = target.table, target.row_words, target.col_start
     pointers = (source.table, pages, dst_table, dst_pages, described, partial)
     ints = (
-        num_buffers, page_size, source.row_words, source.col_start, dst_row_words,
-        dst_col_start, blocks,
-    )  # fmt: skip
+        num_buffers,
+        page_size,
+        source.row_words,
+        source.col_start,
+        dst_row_words,
+        dst_col_start,
+        blocks,
+    )
     vec = min(source.vec(), 4 if target is None else target.vec())
     vec = vec if num_cols % vec == 0 else 1
     constexprs = (num_cols, block_t, block_c, target is not None, vec)

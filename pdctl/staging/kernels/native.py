@@ -85,8 +85,13 @@ def _library() -> tuple[Any, str]:  # (the library or None, why)
     copy.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_int] * 2
     copy.restype = ctypes.c_int
     check = library.pdctl_check_stamped
-    check.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                      ctypes.c_void_p]  # fmt: skip
+    check.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
     check.restype = ctypes.c_int64
     shared = library.pdctl_threading() == 1
     return library, "built, on torch's OpenMP threads" if shared else "built, on threads of its own"
@@ -232,8 +237,16 @@ def copy_rows(
     nbytes = staging.numel() * word
     threads = max(1, min(torch.get_num_threads(), nbytes // THREAD_BYTES))
     function(
-        table.ctypes.data, pages.data_ptr(), staging.data_ptr(), num_buffers, num_tokens,
-        page_size, row_words * word, col_start * word, num_cols * word, int(to_staging),
+        table.ctypes.data,
+        pages.data_ptr(),
+        staging.data_ptr(),
+        num_buffers,
+        num_tokens,
+        page_size,
+        row_words * word,
+        col_start * word,
+        num_cols * word,
+        int(to_staging),
         threads,
-    )  # fmt: skip
+    )
     return True

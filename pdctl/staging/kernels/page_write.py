@@ -90,9 +90,12 @@ def _check_target(
         raise ValueError(f"target pool of {first.shape[0]} tokens is not whole {page_size}-pages")
     views = [b.view(b.shape[0], -1).view(torch.int32) for b in buffers]
     return _Checked(
-        DIGEST_TABLES.get(views), views, int(first.shape[1]), first.shape[0] // page_size,
+        DIGEST_TABLES.get(views),
+        views,
+        int(first.shape[1]),
+        first.shape[0] // page_size,
         ALIGNED.get(views),
-    )  # fmt: skip
+    )
 
 
 _TARGET_LOCK = threading.Lock()
@@ -160,19 +163,36 @@ def arm_page_write(
         word_cols = (head_start * head_bytes // 4, target.head_start * head_bytes // 4)
         num_cols = num_heads * head_bytes // 4
         return _arm(
-            kvset.views(4), checked, (pages, dst_pages), segments, page_size, word_cols,
-            num_cols, bell,
-        )  # fmt: skip
+            kvset.views(4),
+            checked,
+            (pages, dst_pages),
+            segments,
+            page_size,
+            word_cols,
+            num_cols,
+            bell,
+        )
 
     def reference() -> PendingDigests:
         write_pages_reference(
-            k_buffers, v_buffers, pages, target, head_start=head_start, num_heads=num_heads,
+            k_buffers,
+            v_buffers,
+            pages,
+            target,
+            head_start=head_start,
+            num_heads=num_heads,
             page_size=page_size,
-        )  # fmt: skip
+        )
         return start_page_digests(
-            k_buffers, v_buffers, pages, segments, head_start=head_start, num_heads=num_heads,
-            page_size=page_size, backend=name,
-        )  # fmt: skip
+            k_buffers,
+            v_buffers,
+            pages,
+            segments,
+            head_start=head_start,
+            num_heads=num_heads,
+            page_size=page_size,
+            backend=name,
+        )
 
     return reference
 
@@ -221,8 +241,9 @@ def _arm(
         return lambda: launch.run((None, pages, dst_pages), rings, words)
     assert isinstance(dst_pages, np.ndarray)  # both host ids, or both device ones
     bucket = _Bucket.of(segments, len(pages), len(views))
-    joined, parts = _joined([bucket.table(segments, page_size), bucket.padded(pages),
-                             bucket.padded(dst_pages), ring])  # fmt: skip
+    joined, parts = _joined(
+        [bucket.table(segments, page_size), bucket.padded(pages), bucket.padded(dst_pages), ring]
+    )
     launch = _Launch(views, checked, page_size, col_starts, num_cols, bucket.segments)
 
     def eager(ids: np.ndarray | torch.Tensor) -> PendingDigests:
@@ -235,9 +256,14 @@ def _arm(
         return lambda: eager(joined)
     key = (page_size, bucket.key, col_starts, num_cols, bell is not None)
     replay = WRITES.arm(
-        key, (views, checked.views), device, functools.partial(_written, joined), eager, joined,
+        key,
+        (views, checked.views),
+        device,
+        functools.partial(_written, joined),
+        eager,
+        joined,
         ahead=bucket.sums,
-    )  # fmt: skip
+    )
 
     def launched() -> PendingDigests:
         pending = replay()
@@ -329,16 +355,24 @@ class _Launch:
         described, src, dst = tables
         views, checked = self.views, self.checked
         source = PageRows(
-            DIGEST_TABLES.get(views), src, views[0].shape[1], self.col_starts[0],
+            DIGEST_TABLES.get(views),
+            src,
+            views[0].shape[1],
+            self.col_starts[0],
             ALIGNED.get(views),
-        )  # fmt: skip
+        )
         target = PageRows(
             checked.table, dst, checked.views[0].shape[1], self.col_starts[1], checked.aligned
         )
         sums = launch_page_digest_sums(
-            source, self.segments, num_buffers=len(views), page_size=self.page_size,
-            num_cols=self.num_cols, target=target, described=described,
-        )  # fmt: skip
+            source,
+            self.segments,
+            num_buffers=len(views),
+            page_size=self.page_size,
+            num_cols=self.num_cols,
+            target=target,
+            described=described,
+        )
         if rings is not None:
             ring_from_device(rings[0], rings[1], sums, SUMS)
         return PendingDigests(sums, words, len(views), rung=rings is not None)

@@ -63,8 +63,15 @@ DEFAULT_SMS = 132
 
 
 CONSTEXPRS = (
-    "NUM_COLS", "BLOCK_T", "BLOCK_C", "BLOCK_B", "VEC", "ALIGNED", "STREAMING", "TO_STAGING",
-)  # fmt: skip
+    "NUM_COLS",
+    "BLOCK_T",
+    "BLOCK_C",
+    "BLOCK_B",
+    "VEC",
+    "ALIGNED",
+    "STREAMING",
+    "TO_STAGING",
+)
 _INTS = ["num_tokens", "num_buffers", "num_steps", "page_size", "row_words", "col_start"]
 
 

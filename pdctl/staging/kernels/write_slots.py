@@ -48,9 +48,12 @@ class WriteSlot(CudaSlot):
             self.last = None
             return PendingDigests(captured.sums, captured.words, captured.num_buffers, rung=True)
         self.last = PendingDigests(
-            captured.sums, captured.words, captured.num_buffers, host=self.host,
+            captured.sums,
+            captured.words,
+            captured.num_buffers,
+            host=self.host,
             copied=self.done,
-        )  # fmt: skip
+        )
         return self.last
 
     def wait(self) -> None:

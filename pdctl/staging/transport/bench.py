@@ -185,9 +185,13 @@ def _first_row(variant: str, peer: PeerProcess, source: torch.Tensor, size: int)
 
 
 def _batch_row(
-    variant: str, writer: Any, connection: Any, peer: PeerProcess, source: torch.Tensor,
+    variant: str,
+    writer: Any,
+    connection: Any,
+    peer: PeerProcess,
+    source: torch.Tensor,
     budget_bytes: int,
-) -> Row:  # fmt: skip
+) -> Row:
     """1024 scattered 4 KiB pieces in one write (page-sized KV writes)."""
     count, each = BATCH
     base = np.uint64(source.data_ptr())

@@ -37,9 +37,12 @@ def run(args: argparse.Namespace) -> None:
     sys.stdout = sys.stderr
     secret = run_secret(os.environ)
     config = TransportConfig(
-        args.name, port=args.port, secret=secret, transfer_timeout_s=args.timeout,
+        args.name,
+        port=args.port,
+        secret=secret,
+        transfer_timeout_s=args.timeout,
         same_host_fast_path=not args.no_fast_path,
-    )  # fmt: skip
+    )
     transport = create_transport(args.backend, config)
     buffer = torch.zeros(args.size, dtype=torch.uint8, device=args.device)  # [size], pages touched
     transport.register_tensor(buffer)
@@ -112,16 +115,31 @@ class PeerProcess:
 
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
         argv = [
-            sys.executable, "-m", "pdctl.staging.transport.peer", "--backend", backend,
-            "--size", str(size), "--device", device, "--name", name, "--timeout", str(timeout),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "pdctl.staging.transport.peer",
+            "--backend",
+            backend,
+            "--size",
+            str(size),
+            "--device",
+            device,
+            "--name",
+            name,
+            "--timeout",
+            str(timeout),
+        ]
         if not fast_path:
             argv.append("--no-fast-path")
         env = {**os.environ, RUN_SECRET_VAR: secret.decode()}
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
             start_new_session=True,
-        )  # fmt: skip
+        )
         self._pending = b""
         hello = self._read(start_timeout)
         self.description = base64.b64decode(hello["description"])

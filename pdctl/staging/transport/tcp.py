@@ -130,9 +130,14 @@ class TcpTransport(Transport):
         super().__init__(config)
         self.table = RegionTable()
         self.listener = Listener(
-            config.name, config.host, config.port, config.secret, self.table, self.deliver,
+            config.name,
+            config.host,
+            config.port,
+            config.secret,
+            self.table,
+            self.deliver,
             config.connect_timeout_s,
-        )  # fmt: skip
+        )
         self.pool = WritePool("tcp")
         self.ipc_handles: dict[int, dict[str, Any]] = {}  # region ptr -> its device IPC handle
         self.mapped = device_ipc.Mapped()  # peers' device allocations opened here
@@ -185,10 +190,12 @@ class TcpTransport(Transport):
         mapped = self._open_device_regions(info, regions) if fast else {}
         peer.state["device"] = mapped
         peer.state["device_shift"] = np.array(  # each peer region's address here, as a shift
-            [(mapped[r.ptr].data_ptr() - r.ptr) & U64_MASK if r.ptr in mapped else 0
-             for r in peer.index.regions],
+            [
+                (mapped[r.ptr].data_ptr() - r.ptr) & U64_MASK if r.ptr in mapped else 0
+                for r in peer.index.regions
+            ],
             dtype=np.uint64,
-        )  # fmt: skip
+        )
         same_host = connection.welcome.get("host_id") == fastpath.host_id()
         if fast and same_host and (mapped or peer.state["pid"] is not None):
             peer.state["pidfd"] = self._pidfd(int(connection.welcome.get("pid", 0)))
