@@ -8,7 +8,7 @@ them once here into a frozen `ServerArgs`; the server's tunables are the rows of
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pdctl.serve.settings import ServeSettings, add_arguments, from_namespace
 
@@ -145,47 +145,15 @@ def parse(argv: list[str]) -> ServerArgs:
             p.error(f"--prefill takes URL [BOOTSTRAP_PORT], got {entry}")
         port = int(entry[1]) if len(entry) == 2 and entry[1].lower() != "none" else None
         prefill.append((entry[0], port))
-    ports = tuple(int(x) for x in a.transport_ports.split(",") if x)
+    # the flags' lists and texts as the fields' tuples; a field is then the flag of its name
+    a.prefill, a.decode, a.encoder = tuple(prefill), tuple(a.decode), tuple(a.encoder)
+    a.transport_ports = tuple(int(x) for x in a.transport_ports.split(",") if x)
+    a.rank_devices = _rank_devices(p, a.rank_devices, a.tp)
+    flags = {f.name: getattr(a, f.name) for f in fields(ServerArgs) if hasattr(a, f.name)}
     return ServerArgs(
-        role=a.role,
-        topology_name=a.topology_name,
-        replica=a.replica,
-        host=a.host,
-        port=a.port,
-        tp=a.tp,
-        tp_rank=a.tp_rank,
-        dist_port=a.dist_port,
-        device=a.device,
-        model_preset=a.model_preset,
-        model_path=a.model_path,
-        dtype=a.dtype,
-        seed=a.seed,
-        page_size=a.page_size,
-        max_running_requests=a.max_running_requests,
-        chunked_prefill_tokens=a.chunked_prefill_tokens,
-        kv_pool_tokens=a.kv_pool_tokens,
+        **flags,
         overlap=not a.disable_overlap,
-        transfer_backend=a.transfer_backend,
-        transport_ports=ports,
-        mooncake_protocol=a.mooncake_protocol,
         ib_devices=tuple(a.ib_device),
-        nixl_backend=a.nixl_backend,
-        staging=a.staging,
-        staging_pool_mb=a.staging_pool_mb,
-        staging_segment_mb=a.staging_segment_mb,
-        bootstrap_port=a.bootstrap_port,
-        connect_timeout=a.connect_timeout,
-        bootstrap_timeout=a.bootstrap_timeout,
-        transfer_timeout=a.transfer_timeout,
-        prefill=tuple(prefill),
-        decode=tuple(a.decode),
-        encoder=tuple(a.encoder),
-        request_timeout=a.request_timeout,
-        pd_flow=a.pd_flow,
-        embedding_pool_mb=a.embedding_pool_mb,
-        deterministic=a.deterministic,
-        rank_devices=_rank_devices(p, a.rank_devices, a.tp),
-        cuda_graphs=a.cuda_graphs,
         settings=from_namespace(a),
     )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from pdctl.settings import (
@@ -42,66 +42,38 @@ class ServeSettings:
     notify_at: str = "write"
 
 
-ROWS: tuple[Setting, ...] = (
-    Setting(
-        "cuda_graphs",
-        "true",
-        "decode steps replayed as CUDA graphs on CUDA at TP 1 (one "
-        "launch per step instead of one per kernel); off to compare or to debug a kernel",
-        "--cuda-graphs / --no-cuda-graphs",
-    ),
-    Setting(
-        "switch_interval_us",
-        "500",
-        "the GIL switch interval of a PD server, in us: the KV "
-        "threads beside the engine's loop wait for the GIL up to this long per call "
-        "(CPython's 5 ms made a write ms of waiting)",
-        "--switch-interval-us",
-    ),
-    Setting(
-        "cuda_schedule",
-        "",
-        "how CUDA waits for the device (spin, yield, blocking, auto), "
-        "set before the context exists; empty: the driver's choice",
-        "--cuda-schedule",
-    ),
-    Setting(
-        "native_attention",
-        "true",
-        "the CPU's float32 attention in C (one query row at a "
-        "time, a fixed order); off: the torch path, equal to rounding",
-        "--native-attention / --no-native-attention",
-    ),
-    Setting(
-        "fork_ranks",
-        "true",
-        "on the CPU, TP ranks forked once the modules are imported "
-        "(milliseconds, not 1.5 s of imports each); off: spawned",
-        "--fork-ranks / --no-fork-ranks",
-    ),
-    Setting(
-        "tp_gather",
-        "futex",
-        "how TP ranks of one host gather: futexes over shared memory, "
-        "or gloo's collective (the fallback where futexes are missing)",
-        "--tp-gather",
-    ),
-    Setting(
-        "bells",
-        "true",
-        "doorbells in shared memory for a KV notice between processes of "
-        "one host instead of a message; off: the notice as a message (another host)",
-        "--bells / --no-bells",
-    ),
-    Setting(
-        "notify_at",
-        "write",
-        "when prefill notifies decode that a room's KV landed: after "
-        "the write (write), once the first token is chosen (token), or from the room's "
-        "worker (worker)",
-        "--notify-at",
-    ),
-)
+# why each row exists; its default is ServeSettings' (cuda_graphs: ServerArgs'), its flag
+# the name's (a switch's with its --no- form)
+REASONS: dict[str, str] = {
+    "cuda_graphs": "decode steps replayed as CUDA graphs on CUDA at TP 1 (one launch per "
+    "step instead of one per kernel); off to compare or to debug a kernel",
+    "switch_interval_us": "the GIL switch interval of a PD server, in us: the KV threads "
+    "beside the engine's loop wait for the GIL up to this long per call (CPython's 5 ms "
+    "made a write ms of waiting)",
+    "cuda_schedule": "how CUDA waits for the device (spin, yield, blocking, auto), set "
+    "before the context exists; empty: the driver's choice",
+    "native_attention": "the CPU's float32 attention in C (one query row at a time, a "
+    "fixed order); off: the torch path, equal to rounding",
+    "fork_ranks": "on the CPU, TP ranks forked once the modules are imported "
+    "(milliseconds, not 1.5 s of imports each); off: spawned",
+    "tp_gather": "how TP ranks of one host gather: futexes over shared memory, or gloo's "
+    "collective (the fallback where futexes are missing)",
+    "bells": "doorbells in shared memory for a KV notice between processes of one host "
+    "instead of a message; off: the notice as a message (another host)",
+    "notify_at": "when prefill notifies decode that a room's KV landed: after the write "
+    "(write), once the first token is chosen (token), or from the room's worker (worker)",
+}
+DEFAULTS: dict[str, str | int | bool] = {"cuda_graphs": True, **asdict(ServeSettings())}
+
+
+def _row(name: str, reason: str) -> Setting:
+    default, flag = DEFAULTS[name], "--" + name.replace("_", "-")
+    if isinstance(default, bool):
+        return Setting(name, str(default).lower(), reason, f"{flag} / --no-{flag[2:]}")
+    return Setting(name, str(default), reason, flag)
+
+
+ROWS: tuple[Setting, ...] = tuple(_row(name, reason) for name, reason in REASONS.items())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,15 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def from_namespace(parsed: argparse.Namespace) -> ServeSettings:
-    return ServeSettings(
-        switch_interval_us=parsed.switch_interval_us,
-        cuda_schedule=parsed.cuda_schedule,
-        native_attention=parsed.native_attention,
-        fork_ranks=parsed.fork_ranks,
-        tp_gather=parsed.tp_gather,
-        bells=parsed.bells,
-        notify_at=parsed.notify_at,
-    )
+    return ServeSettings(**{f.name: getattr(parsed, f.name) for f in fields(ServeSettings)})
 
 
 def _interval(text: str) -> int:
@@ -167,6 +131,5 @@ class Handoff:
 
 if __name__ == "__main__":  # `pdctl doctor` reads the table so: the CLI imports no serve
     import json
-    from dataclasses import asdict
 
     print(json.dumps([asdict(row) for row in ROWS]))
