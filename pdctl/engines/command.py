@@ -53,6 +53,16 @@ def command(*items: str | PortRef | Arg) -> Command:
     return tuple(item if isinstance(item, Arg) else Arg((item,)) for item in items)
 
 
+def flags(pairs: Mapping[str, str | PortRef | Arg]) -> list[str | Arg]:
+    """Flags with their values, in the mapping's order: `flags({"--seed": "0", "--port":
+    ref})` is `["--seed", "0", "--port", Arg((ref,))]`. A flag without a value stays a
+    plain string where it is listed."""
+    args: list[str | Arg] = []
+    for flag, value in pairs.items():
+        args += [flag, Arg((value,)) if isinstance(value, PortRef) else value]
+    return args
+
+
 def url(host: str | PortRef, port: PortRef) -> Arg:
     return Arg(("http://", host, ":", port))
 

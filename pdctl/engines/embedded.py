@@ -14,7 +14,16 @@ from typing import ClassVar
 
 from pdctl.core import encoder_tp_problem
 from pdctl.engines.base import REFERENCE, Engine, ReferenceSpec, base_slots, python
-from pdctl.engines.command import Arg, Command, PortRef, PortSlot, command, host_ref, joined
+from pdctl.engines.command import (
+    Arg,
+    Command,
+    PortRef,
+    PortSlot,
+    command,
+    flags,
+    host_ref,
+    joined,
+)
 from pdctl.engines.probes import Probe, health, on_http
 from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology
@@ -35,18 +44,15 @@ def model_args(topology: Topology, kv_pool_tokens: int | None = None) -> list[st
         args += ["--model-preset", model.preset]
     else:
         args += ["--model-path", str(model.path)]
-    args += [
-        "--dtype",
-        topology.effective_dtype,
-        "--seed",
-        str(model.seed),
-        "--page-size",
-        str(serving.page_size),
-        "--max-running-requests",
-        str(serving.max_running_requests),
-        "--chunked-prefill-tokens",
-        str(serving.chunked_prefill_tokens),
-    ]
+    args += flags(
+        {
+            "--dtype": topology.effective_dtype,
+            "--seed": str(model.seed),
+            "--page-size": str(serving.page_size),
+            "--max-running-requests": str(serving.max_running_requests),
+            "--chunked-prefill-tokens": str(serving.chunked_prefill_tokens),
+        }
+    )
     if pool is not None:
         args += ["--kv-pool-tokens", str(pool)]
     if not serving.overlap:
@@ -131,21 +137,16 @@ class EmbeddedEngine(Engine):
         slots = [PortSlot(REFERENCE, "http", "colocated reference server")]
         if tp > 1:
             slots.append(PortSlot(REFERENCE, "dist", "reference rendezvous"))
-        args: list[str | Arg] = [
-            python(),
-            "-m",
-            "pdctl.serve",
-            "--role",
-            "colocated",
-            "--topology-name",
-            topology.name,
-            "--host",
-            topology.host,
-            "--port",
-            Arg((slots[0].ref,)),
-            "--tp",
-            str(tp),
-        ]
+        args: list[str | Arg] = [python(), "-m", "pdctl.serve"]
+        args += flags(
+            {
+                "--role": "colocated",
+                "--topology-name": topology.name,
+                "--host": topology.host,
+                "--port": slots[0].ref,
+                "--tp": str(tp),
+            }
+        )
         if tp > 1:
             args += ["--dist-port", Arg((slots[1].ref,))]
         args += model_args(topology)
@@ -168,23 +169,17 @@ class EmbeddedEngine(Engine):
         self, topology: Topology, server: ServerLayout, slots: Mapping[str, PortSlot]
     ) -> Command:
         transfer = topology.transfer
-        args: list[str | Arg] = [
-            python(),
-            "-m",
-            "pdctl.serve",
-            "--role",
-            server.role,
-            "--topology-name",
-            topology.name,
-            "--replica",
-            str(server.replica),
-            "--host",
-            Arg((host_ref(topology, server.name),)),
-            "--port",
-            Arg((slots["http"].ref,)),
-            "--tp",
-            str(server.tp),
-        ]
+        args: list[str | Arg] = [python(), "-m", "pdctl.serve"]
+        args += flags(
+            {
+                "--role": server.role,
+                "--topology-name": topology.name,
+                "--replica": str(server.replica),
+                "--host": host_ref(topology, server.name),
+                "--port": slots["http"].ref,
+                "--tp": str(server.tp),
+            }
+        )
         if "dist" in slots:
             args += ["--dist-port", Arg((slots["dist"].ref,))]
         if server.shares_devices:  # ranks on one device: each rank's index in the mask
@@ -202,25 +197,24 @@ class EmbeddedEngine(Engine):
             args += ["--nixl-backend", transfer.nixl_backend or "UCX"]
         if topology.uses_staging:
             staging = transfer.staging
-            args += [
-                "--staging",
-                "--staging-pool-mb",
-                _mb(staging.pool_size_mb),
-                "--staging-segment-mb",
-                _mb(staging.effective_segment_mb),
-            ]
+            args.append("--staging")
+            args += flags(
+                {
+                    "--staging-pool-mb": _mb(staging.pool_size_mb),
+                    "--staging-segment-mb": _mb(staging.effective_segment_mb),
+                }
+            )
         else:
             args.append("--no-staging")
         if "bootstrap" in slots:
             args += ["--bootstrap-port", Arg((slots["bootstrap"].ref,))]
         timeouts = transfer.timeouts
-        args += [
-            "--connect-timeout",
-            f"{timeouts.connect_s:g}",
-            "--bootstrap-timeout",
-            f"{timeouts.bootstrap_s:g}",
-            "--transfer-timeout",
-            f"{timeouts.transfer_s:g}",
-        ]
+        args += flags(
+            {
+                "--connect-timeout": f"{timeouts.connect_s:g}",
+                "--bootstrap-timeout": f"{timeouts.bootstrap_s:g}",
+                "--transfer-timeout": f"{timeouts.transfer_s:g}",
+            }
+        )
         args += role_spec(topology, server.role).args
         return command(*args)

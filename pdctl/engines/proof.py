@@ -104,11 +104,8 @@ class VLLMProof(TransferProof):
             f"local_compute +{computed}, external_kv_transfer +{received}, local_cache_hit +{hit}"
         )
         if computed > 0:
-            return Verdict(
-                True,
-                f"decode computed {computed} of {prompt_tokens} prompt tokens "
-                f"itself instead of receiving them ({counts})",
-            )
+            computed_itself = f"decode computed {computed} of {prompt_tokens} prompt tokens itself"
+            return Verdict(True, f"{computed_itself} instead of receiving them ({counts})")
         if received <= 0 and hit < prompt_tokens:
             return Verdict(True, f"no prompt token arrived over the connector ({counts})")
         return Verdict(True)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 
 from pdctl.engines import get_engine
 from pdctl.engines.base import engine_python, managed_flag_issues, python
-from pdctl.engines.command import Arg, Command, PortSlot, command, host_ref, url
-from pdctl.engines.probes import Probe, health
+from pdctl.engines.command import Arg, Command, PortSlot, command, flags, host_ref, url
+from pdctl.engines.probes import Probe, health, on_http
 from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology
 from pdctl.topology.resolve import ServerLayout
@@ -71,23 +72,7 @@ def router_command(
     kind = topology.router.kind
     if kind in ("sglang-router", "vllm-router"):
         timeout = str(math.ceil(topology.transfer.timeouts.request_s))  # they take whole seconds
-        head: list[str | Arg] = (
-            [python(), "-m", "sglang_router.launch_router", "--pd-disaggregation"]
-            if kind == "sglang-router"
-            else [
-                engine_python(topology),
-                "-m",
-                "vllm_router.launch_router",
-                "--vllm-pd-disaggregation",
-                "--kv-connector",
-                topology.transfer.backend,
-                # it serves only once every worker answered; asked every 30 s by default
-                "--worker-startup-check-interval",
-                "1",
-                "--worker-startup-timeout-secs",
-                str(math.ceil(topology.launcher.startup_timeout_s)),
-            ]
-        )
+        head = _vendor_program(topology)
         tail: list[str | Arg] = ["--request-timeout-secs", timeout]
         tail += ["--prometheus-host", Arg((host,)), "--prometheus-port", Arg((extra[0].ref,))]
     else:
@@ -97,21 +82,31 @@ def router_command(
     return command(*args, *topology.router.args)
 
 
+def _vendor_program(topology: Topology) -> list[str | Arg]:
+    """sglang-router's or vllm-router's program with its PD switches."""
+    if topology.router.kind == "sglang-router":
+        return [python(), "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    startup_s = math.ceil(topology.launcher.startup_timeout_s)
+    head: list[str | Arg] = [engine_python(topology), "-m", "vllm_router.launch_router"]
+    head.append("--vllm-pd-disaggregation")
+    # it serves only once every worker answered; asked every 30 s by default
+    return head + flags(
+        {
+            "--kv-connector": topology.transfer.backend,
+            "--worker-startup-check-interval": "1",
+            "--worker-startup-timeout-secs": str(startup_s),
+        }
+    )
+
+
 def router_probes(topology: Topology) -> list[Probe]:
     """/health; pdctl's router then reports both sides healthy in /get_server_info."""
     host = host_ref(topology, ROUTER)
     slots = {slot.name: slot for slot in router_slots(topology)}
     probes = [health(host, slots)]
     if topology.router.kind == "builtin":
-        seen = Probe(
-            "ready",
-            "both sides seen",
-            host,
-            slots["http"].ref,
-            "/get_server_info",
-            ready_field="ready",
-        )
-        probes.append(seen)
+        seen = on_http(host, slots, "both sides seen", "/get_server_info")
+        probes.append(replace(seen, ready_field="ready"))
     return probes
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import ClassVar
 
 from pdctl.engines.base import (
@@ -20,7 +21,7 @@ from pdctl.engines.base import (
     encoder_issues,
     engine_python,
 )
-from pdctl.engines.command import Arg, Command, PortRef, PortSlot, command, host_ref
+from pdctl.engines.command import Arg, Command, PortRef, PortSlot, command, flags, host_ref
 from pdctl.engines.probes import Probe, health, on_http
 from pdctl.engines.proof import SGLangProof
 from pdctl.topology.issues import Issue
@@ -91,12 +92,12 @@ class SGLangEngine(Engine):
     ) -> Command:
         transfer = topology.transfer
         host = host_ref(topology, server.name)
-        pd: list[str | Arg] = [
-            "--disaggregation-mode",
-            server.role,
-            "--disaggregation-transfer-backend",
-            transfer.backend,
-        ]
+        pd = flags(
+            {
+                "--disaggregation-mode": server.role,
+                "--disaggregation-transfer-backend": transfer.backend,
+            }
+        )
         if "bootstrap" in slots:
             pd += ["--disaggregation-bootstrap-port", Arg((slots["bootstrap"].ref,))]
         if transfer.ib_devices:
@@ -168,16 +169,8 @@ class SGLangEngine(Engine):
             module = "mooncake.engine" if topology.transfer.backend == "mooncake" else "nixl"
             modules.append(module)
             reasons[module] = f"transfer.backend: {topology.transfer.backend}"
-        return Requirements(
-            base.device_type,
-            base.device_count,
-            base.min_free_memory_gb,
-            base.modules,
-            base.capabilities,
-            reasons,
-            engine_python(topology),
-            tuple(modules),
-        )
+        python = engine_python(topology)
+        return replace(base, reasons=reasons, python=python, engine_modules=tuple(modules))
 
     def describe_staging(self, topology: Topology) -> str:
         if topology.uses_staging:  # SGLang sizes its own writes
@@ -223,36 +216,32 @@ def _server_args(
     """`sglang.launch_server` with the topology's model and serving flags; `pd` (the
     disaggregation flags) goes right after the listener."""
     serving = topology.serving
-    args: list[str | Arg] = [
-        engine_python(topology),
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        str(topology.model.path),
-        "--host",
-        Arg((host,)),
-        "--port",
-        Arg((slots["http"].ref,)),
-        *pd,
-        "--tp-size",
-        str(tp),
-        "--base-gpu-id",
-        "0",
-        "--device",
-        topology.device,
-        "--nccl-port",
-        Arg((slots["nccl"].ref,)),
-    ]
+    args: list[str | Arg] = [engine_python(topology), "-m", "sglang.launch_server"]
+    args += flags(
+        {
+            "--model-path": str(topology.model.path),
+            "--host": host,
+            "--port": slots["http"].ref,
+        }
+    )
+    args += pd
+    args += flags(
+        {
+            "--tp-size": str(tp),
+            "--base-gpu-id": "0",
+            "--device": topology.device,
+            "--nccl-port": slots["nccl"].ref,
+        }
+    )
     if "dist" in slots:
         args += ["--dist-init-addr", Arg((host, ":", slots["dist"].ref))]
-    args += [
-        "--page-size",
-        str(serving.page_size),
-        "--max-running-requests",
-        str(serving.max_running_requests),
-        "--chunked-prefill-size",
-        str(serving.chunked_prefill_tokens),
-    ]
+    args += flags(
+        {
+            "--page-size": str(serving.page_size),
+            "--max-running-requests": str(serving.max_running_requests),
+            "--chunked-prefill-size": str(serving.chunked_prefill_tokens),
+        }
+    )
     if serving.kv_pool_tokens is not None:
         args += ["--max-total-tokens", str(serving.kv_pool_tokens)]
     if not serving.overlap:

@@ -22,11 +22,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pdctl.engines.base import REFERENCE, Engine, Preparation, ReferenceSpec, engine_python, python
-from pdctl.engines.command import Arg, Command, PortRef, PortSlot, command, host_ref
+from pdctl.engines.command import Arg, Command, PortRef, PortSlot, command, flags, host_ref
 from pdctl.engines.dialect import CompletionsDialect
 from pdctl.engines.probes import Probe, health, on_http
 from pdctl.engines.proof import VLLMProof
@@ -198,16 +199,12 @@ class VLLMEngine(Engine):
         if topology.device == "cpu":
             cores = sum(server.tp for server in servers(topology))
             reasons[f"cpu_cores={cores}"] = "a core of its own for every server rank"
-        return Requirements(
-            base.device_type,
-            base.device_count,
-            base.min_free_memory_gb,
-            base.modules,
-            base.capabilities,
-            reasons,
-            engine_python(topology),
-            tuple(modules),
-            cores,
+        return replace(
+            base,
+            reasons=reasons,
+            python=engine_python(topology),
+            engine_modules=tuple(modules),
+            cpu_cores=cores,
         )
 
     def describe_staging(self, topology: Topology) -> str:
@@ -230,15 +227,10 @@ class VLLMEngine(Engine):
         model, folder = topology.model, preset_folder(topology)
         stamp = {"preset": model.preset, "seed": model.seed, "dtype": topology.effective_dtype}
         argv = (
-            python(),
-            "-m",
-            "pdctl.serve.export",
-            "--preset",
-            model.preset,
-            "--seed",
-            str(model.seed),
-            "--dtype",
-            topology.effective_dtype,
+            *(python(), "-m", "pdctl.serve.export"),
+            *("--preset", model.preset),
+            *("--seed", str(model.seed)),
+            *("--dtype", topology.effective_dtype),
             str(folder),
         )
         return [
@@ -259,33 +251,22 @@ def _server_args(
     topology: Topology, host: PortRef, port: PortRef, tp: int, pd: list[str | Arg]
 ) -> list[str | Arg]:
     serving = topology.serving
-    args: list[str | Arg] = [
-        engine_python(topology),
-        "-m",
-        SERVER_MODULE,
-        "--model",
-        model_location(topology),
-        "--served-model-name",
-        served_name(topology),
-        "--host",
-        Arg((host,)),
-        "--port",
-        Arg((port,)),
-        "--tensor-parallel-size",
-        str(tp),
-        "--dtype",
-        topology.effective_dtype,
-        "--seed",
-        str(topology.model.seed),
-        "--block-size",
-        str(serving.page_size),
-        "--max-num-seqs",
-        str(serving.max_running_requests),
-        "--max-num-batched-tokens",
-        str(serving.chunked_prefill_tokens),
-        "--enable-prefix-caching",
-        "--enable-prompt-tokens-details",
-    ]
+    args: list[str | Arg] = [engine_python(topology), "-m", SERVER_MODULE]
+    args += flags(
+        {
+            "--model": model_location(topology),
+            "--served-model-name": served_name(topology),
+            "--host": host,
+            "--port": port,
+            "--tensor-parallel-size": str(tp),
+            "--dtype": topology.effective_dtype,
+            "--seed": str(topology.model.seed),
+            "--block-size": str(serving.page_size),
+            "--max-num-seqs": str(serving.max_running_requests),
+            "--max-num-batched-tokens": str(serving.chunked_prefill_tokens),
+        }
+    )
+    args += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     if serving.max_model_len is not None:
         args += ["--max-model-len", str(serving.max_model_len)]
     if serving.kv_pool_tokens is not None:
