@@ -12,12 +12,34 @@ This module imports nothing: the servers and the CLI share it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass, field, fields, is_dataclass
+from functools import cache
+from types import NoneType, UnionType
+from typing import Any, TypeAlias, TypeVar, get_args, get_origin, get_type_hints
 
 Record = TypeVar("Record")
 NUMBER = (int, float)
 Kinds = Mapping[str, tuple[type, ...]]  # field -> the JSON types it may have
+# What JSON decodes to: what a record keeps unread and gives back (`extra`, `to_json`).
+JSONValue: TypeAlias = str | int | float | bool | list["JSONValue"] | dict[str, "JSONValue"] | None
+
+
+def _json_types(hint: Any) -> tuple[type, ...]:
+    """The JSON types a field of type `hint` (`X | None`) may have: any number for a
+    float, an object for a record, an array for a list."""
+    if isinstance(hint, UnionType):  # X | None: the type it has when set
+        (hint,) = [arg for arg in get_args(hint) if arg is not NoneType]
+    kind = get_origin(hint) or hint  # list[int] -> list
+    if kind is float:
+        return NUMBER
+    return (dict,) if is_dataclass(kind) else (kind,)
+
+
+@cache
+def _kinds(cls: type) -> Kinds:
+    """Each field's JSON types, read from its annotation: the type is written once."""
+    hints = get_type_hints(cls)
+    return {f.name: _json_types(hints[f.name]) for f in fields(cls) if f.name != "extra"}
 
 
 def _check(data: Any, name: str, kinds: tuple[type, ...], where: str) -> Any:
@@ -28,17 +50,17 @@ def _check(data: Any, name: str, kinds: tuple[type, ...], where: str) -> Any:
     return value
 
 
-def _from(cls: type[Record], data: Any, where: str, kinds: Kinds) -> Record:
+def _from(cls: type[Record], data: Any, where: str) -> Record:
     """`cls` from a JSON object: known fields type-checked, the others kept in `extra`."""
     if not isinstance(data, dict):
         raise ValueError(f"{where} must be a JSON object")
-    known = {f.name for f in fields(cls)} - {"extra"}  # type: ignore[arg-type]
-    values = {k: _check(data, k, kinds[k], where) for k in known if data.get(k) is not None}
-    values["extra"] = {k: v for k, v in data.items() if k not in known}
+    kinds = _kinds(cls)  # type: ignore[arg-type]  # a class is hashable
+    values = {k: _check(data, k, kinds[k], where) for k in kinds if data.get(k) is not None}
+    values["extra"] = {k: v for k, v in data.items() if k not in kinds}
     return cls(**values)
 
 
-def _to(record: Any) -> dict[str, Any]:
+def _to(record: Any) -> dict[str, JSONValue]:
     """The record's JSON: its fields that are set, then what it kept unread."""
     out = {f.name: getattr(record, f.name) for f in fields(record) if f.name != "extra"}
     return {**{k: v for k, v in out.items() if v is not None}, **record.extra}
@@ -62,29 +84,14 @@ class KVTransfer:
     digest_ms: float | None = None
     send_ms: float | None = None  # prefill's whole send, waits for regions included
     notice: str | None = None  # decode: how it heard: "bell" (doorbell), "message", "mixed"
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, JSONValue] = field(default_factory=dict)
 
-    KINDS: ClassVar[Kinds] = {
-        "bytes": (int,),
-        "segments": (int,),
-        "staging": (bool,),
-        "transport": (str,),
-        "digest_ok": (bool,),
-        "transfer_ms": NUMBER,
-        "cached_tokens": (int,),
-        "write_ms": NUMBER,
-        "gather_ms": NUMBER,
-        "digest_ms": NUMBER,
-        "send_ms": NUMBER,
-        "notice": (str,),
-    }
-
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JSONValue]:
         return _to(self)
 
     @staticmethod
     def from_json(data: Any, where: str = "kv_transfer") -> KVTransfer:
-        return _from(KVTransfer, data, where, KVTransfer.KINDS)
+        return _from(KVTransfer, data, where)
 
     def add_prefill_side(self, sent: KVTransfer) -> None:
         """Prefill's times of the same room (the router joins both answers)."""
@@ -99,20 +106,18 @@ class KVPool:
     total_pages: int = 0
     free_pages: int = 0
     cached_pages: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)  # page_size, pool_tokens
-
-    KINDS: ClassVar[Kinds] = {"total_pages": (int,), "free_pages": (int,), "cached_pages": (int,)}
+    extra: dict[str, JSONValue] = field(default_factory=dict)  # page_size, pool_tokens
 
     @property
     def held_pages(self) -> int:
         return self.total_pages - self.free_pages - self.cached_pages
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JSONValue]:
         return _to(self)
 
     @staticmethod
     def from_json(data: Any, where: str = "kv") -> KVPool:
-        return _from(KVPool, data, where, KVPool.KINDS)
+        return _from(KVPool, data, where)
 
 
 @dataclass
@@ -123,21 +128,14 @@ class RingState:
     live_regions: int = 0
     empty: bool = True
     watermark: list[int] | None = None  # [round, tail]
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, JSONValue] = field(default_factory=dict)
 
-    KINDS: ClassVar[Kinds] = {
-        "capacity": (int,),
-        "live_regions": (int,),
-        "empty": (bool,),
-        "watermark": (list,),
-    }
-
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JSONValue]:
         return _to(self)
 
     @staticmethod
     def from_json(data: Any, where: str = "staging_ring") -> RingState:
-        return _from(RingState, data, where, RingState.KINDS)
+        return _from(RingState, data, where)
 
 
 @dataclass
@@ -152,23 +150,14 @@ class FenceState:
     released: int = 0  # released once prefill confirmed its senders stopped
     writer_gone: int = 0  # released because the writing process is gone (it writes no more)
     unconfirmed: int = 0  # released after the fence's bound without a confirmation
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, JSONValue] = field(default_factory=dict)
 
-    KINDS: ClassVar[Kinds] = {
-        "rooms": (int,),
-        "pages": (int,),
-        "regions": (int,),
-        "released": (int,),
-        "writer_gone": (int,),
-        "unconfirmed": (int,),
-    }
-
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JSONValue]:
         return _to(self)
 
     @staticmethod
     def from_json(data: Any, where: str = "fence") -> FenceState:
-        return _from(FenceState, data, where, FenceState.KINDS)
+        return _from(FenceState, data, where)
 
 
 @dataclass
@@ -182,17 +171,7 @@ class KVSent:
     gather_ms: float = 0.0
     digest_ms: float = 0.0
     transfer_ms: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    KINDS: ClassVar[Kinds] = {
-        "rooms": (int,),
-        "failed_rooms": (int,),
-        "bytes": (int,),
-        "write_ms": NUMBER,
-        "gather_ms": NUMBER,
-        "digest_ms": NUMBER,
-        "transfer_ms": NUMBER,
-    }
+    extra: dict[str, JSONValue] = field(default_factory=dict)
 
     def add(self, transfer: KVTransfer, ok: bool) -> None:
         """One room more: its bytes and times when it went through."""
@@ -206,12 +185,12 @@ class KVSent:
         self.digest_ms = round(self.digest_ms + (transfer.digest_ms or 0), 3)
         self.transfer_ms = round(self.transfer_ms + (transfer.transfer_ms or 0), 3)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JSONValue]:
         return _to(self)
 
     @staticmethod
     def from_json(data: Any, where: str = "kv_sent") -> KVSent:
-        return _from(KVSent, data, where, KVSent.KINDS)
+        return _from(KVSent, data, where)
 
 
 @dataclass
@@ -231,33 +210,19 @@ class ServerInfo:
     fence: FenceState | None = None
     prefill: list[Any] | None = None  # a router's workers
     decode: list[Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, JSONValue] = field(default_factory=dict)
 
-    KINDS: ClassVar[Kinds] = {
-        "role": (str,),
-        "dtype": (str,),
-        "deterministic": (bool,),
-        "running_requests": (int,),
-        "waiting_requests": (int,),
-        "open_rooms": (int,),
-        "kv": (dict,),
-        "staging_ring": (dict,),
-        "kv_sent": (dict,),
-        "fence": (dict,),
-        "prefill": (list,),
-        "decode": (list,),
-    }
-
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JSONValue]:
         out = _to(self)
-        for name in ("kv", "staging_ring", "kv_sent", "fence"):
-            if name in out:
-                out[name] = out[name].to_json()
+        parts = {"kv": self.kv, "staging_ring": self.staging_ring, "kv_sent": self.kv_sent}
+        for name, part in {**parts, "fence": self.fence}.items():
+            if part is not None:
+                out[name] = part.to_json()
         return out
 
     @staticmethod
     def from_json(data: Any, where: str = "/get_server_info") -> ServerInfo:
-        info = _from(ServerInfo, data, where, ServerInfo.KINDS)
+        info = _from(ServerInfo, data, where)
         if isinstance(info.kv, dict):
             info.kv = KVPool.from_json(info.kv, f"{where} kv")
         if isinstance(info.staging_ring, dict):
