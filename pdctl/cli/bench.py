@@ -178,18 +178,8 @@ def engine(
     import sys
 
     opts = options(ctx, json, verbose, quiet)
-    argv = [
-        sys.executable,
-        "-m",
-        "pdctl.serve.bench",
-        "--preset",
-        preset,
-        "--device",
-        device,
-        "--modes",
-        modes,
-        "--json",
-    ]
+    argv = [sys.executable, "-m", "pdctl.serve.bench"]
+    argv += ["--preset", preset, "--device", device, "--modes", modes, "--json"]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         raise UsageError(f"the engine benchmark failed: {result.stderr.strip()[-500:]}")
@@ -252,7 +242,12 @@ def pd(
     )
     if opts.json:
         console.emit_json(report)
-        return
+    else:
+        render_pd(report)
+
+
+def render_pd(report: dict[str, Any]) -> None:
+    """The PD bench's table: one row per transport, the colocated server's first."""
     table = Table(
         title=f"PD bench: {report['topology']}, {report['prompts']} prompts x "
         f"{report['prompt_len']} tokens, {report['new_tokens']} new, "
@@ -261,18 +256,8 @@ def pd(
         "admission to KV checked (includes prefill compute); tok/s 1: serial streaming; "
         "tok/s N: concurrent; /coloc: PD over a colocated TP1 server of the same model",
     )
-    columns = (
-        "config",
-        "KiB/req",
-        "write ms",
-        "/ bound",
-        "KV ready ms p50/95",
-        "TTFT ms p50/95",
-        "tok/s 1",
-        "tok/s N",
-        "TTFT /coloc",
-        "tok/s /coloc",
-    )
+    columns: tuple[str, ...] = ("config", "KiB/req", "write ms", "/ bound", "KV ready ms p50/95")
+    columns += ("TTFT ms p50/95", "tok/s 1", "tok/s N", "TTFT /coloc", "tok/s /coloc")
     for column in columns:
         table.add_column(column, justify="left" if column == "config" else "right")
     for row in report["rows"]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json as jsonlib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -11,7 +13,7 @@ from rich.table import Table
 
 from pdctl import console
 from pdctl.cli.bench import chosen_backends
-from pdctl.cli.common import QuietOption, VerboseOption, options
+from pdctl.cli.common import Options, QuietOption, VerboseOption, options
 from pdctl.errors import CheckFailed, UsageError
 
 DEFAULT_TOPOLOGY = Path("topologies/cpu-p1d2-tcp.yaml")
@@ -71,28 +73,47 @@ def soak(
 ) -> None:
     """Many requests per transport: 0 failed, token-exact, pools back, RSS growth < 3 %."""
     opts = options(ctx, False, verbose, quiet)
-    from pdctl.launch.soak import bench_soak
-
-    stdout_json = opts.json or str(json_file) == "-"
     chosen = chosen_backends(backends)
     if warmup is not None and warmup > requests:
         raise UsageError(f"--warmup {warmup} is more than --requests {requests}")
-    report = bench_soak(
-        topology,
-        backends=chosen,
-        requests=requests,
-        concurrency=concurrency,
-        pool_mb=pool_mb,
-        new_tokens=new_tokens,
-        unique=unique,
-        warmup=warmup,
-        timeout=timeout,
-        rss_limit_pct=rss_limit_pct,
-        abort_every=abort_every,
-        decode_pool_tokens=decode_pool_tokens,
-        progress=console.info if not opts.quiet else (lambda _: None),
-    )
-    if stdout_json:
+    run_soak(topology, chosen, SoakFigures.from_params(ctx.params), json_file, opts)
+
+
+@dataclass(frozen=True)
+class SoakFigures:
+    """The soak's figures as the command parsed them, named as `bench_soak` takes them."""
+
+    requests: int
+    concurrency: int
+    pool_mb: float
+    new_tokens: int
+    unique: int
+    warmup: int | None
+    rss_limit_pct: float
+    timeout: float
+    abort_every: int | None
+    decode_pool_tokens: int | None
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> SoakFigures:
+        """From the command's parameters as Click parsed them (`ctx.params`), every field
+        by its name."""
+        return cls(**{f.name: params[f.name] for f in fields(cls)})
+
+
+def run_soak(
+    topology: Path,
+    backends: tuple[str, ...],
+    figures: SoakFigures,
+    json_file: Path | None,
+    opts: Options,
+) -> None:
+    """Soak each transport, render (or write the JSON where asked), fail on any problem."""
+    from pdctl.launch.soak import bench_soak
+
+    progress = console.info if not opts.quiet else (lambda _: None)
+    report = bench_soak(topology, backends=backends, progress=progress, **asdict(figures))
+    if opts.json or str(json_file) == "-":
         console.emit_json(report)
     else:
         if json_file is not None:
@@ -129,21 +150,9 @@ def render(report: dict[str, Any]) -> None:
     if report.get("abort_every"):
         title += f", one room in {report['abort_every']} aborted mid-transfer"
     table = Table(title=title)
-    columns = (
-        "transport",
-        "requests",
-        "aborted",
-        "failed",
-        "digest mismatches",
-        "mismatches",
-        "req/s",
-        "p50 ms",
-        "p99 ms",
-        "pools back",
-        "ring wraps",
-        "max RSS growth %",
-        "verdict",
-    )
+    columns: tuple[str, ...] = ("transport", "requests", "aborted", "failed")
+    columns += ("digest mismatches", "mismatches", "req/s", "p50 ms", "p99 ms", "pools back")
+    columns += ("ring wraps", "max RSS growth %", "verdict")
     for column in columns:
         table.add_column(column, justify="left" if column == "transport" else "right")
     for row in report["rows"]:

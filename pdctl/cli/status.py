@@ -77,11 +77,8 @@ def status(
             table.add_column(column)
         for process in item["processes"]:
             mark = "green" if process["health"] == "healthy" else "red"
+            shown = f"[{mark}]{process['health']}[/{mark}]"
             table.add_row(
-                process["name"],
-                process["role"],
-                str(process["pid"]),
-                process["url"],
-                f"[{mark}]{process['health']}[/{mark}]",
+                process["name"], process["role"], str(process["pid"]), process["url"], shown
             )
         console.out.print(table)

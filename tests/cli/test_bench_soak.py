@@ -93,6 +93,20 @@ def test_soak_rejects_a_warmup_past_the_requests(cli) -> None:
     assert "--warmup 20 is more than --requests 10" in result.stderr
 
 
+def test_the_soak_figures_are_named_as_bench_soak_takes_them() -> None:
+    """The command hands its figures to `bench_soak` by name: each is one of its
+    keywords and one of the command's parameters."""
+    import inspect
+    from dataclasses import fields
+
+    from pdctl.cli.bench_soak import SoakFigures, soak
+    from pdctl.launch.soak import bench_soak
+
+    names = {f.name for f in fields(SoakFigures)}
+    assert names <= set(inspect.signature(bench_soak).parameters)
+    assert names <= set(inspect.signature(soak).parameters)
+
+
 def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
