@@ -27,7 +27,13 @@ from pdctl.engines.command import (
 from pdctl.engines.probes import Probe, health, on_http
 from pdctl.topology.issues import Issue
 from pdctl.topology.model import Topology
-from pdctl.topology.resolve import ServerLayout, role_spec
+from pdctl.topology.resolve import (
+    Requirements,
+    ServerLayout,
+    requirements,
+    role_spec,
+    transport_needs,
+)
 
 
 def _mb(value: float) -> str:
@@ -121,6 +127,12 @@ class EmbeddedEngine(Engine):
         problem = encoder_tp_problem(encoder.tp)
         if problem:
             yield Issue(("roles", "encoder", "tp"), problem)
+
+    def requirements(self, topology: Topology, base: Requirements) -> Requirements:
+        """pdctl's servers import the transport in pdctl's interpreter: the derivation of
+        `base` again, with the transport's modules and capabilities where `requirements`
+        puts what an engine imports there (before the router's and launcher's)."""
+        return requirements(topology, transport_needs(topology))
 
     def port_slots(self, topology: Topology, server: ServerLayout) -> list[PortSlot]:
         slots = base_slots(topology, server)

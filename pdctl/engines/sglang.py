@@ -194,6 +194,12 @@ class SGLangEngine(Engine):
                 f"engine sglang cannot run pdctl's built-in '{topology.model.preset}' preset",
                 "set model.path to a checkpoint directory or a Hugging Face hub id",
             )
+        if topology.transfer.backend == "tcp":
+            yield Issue(
+                ("transfer", "backend"),
+                "SGLang has no 'tcp' transfer backend (tcp is pdctl's builtin transport)",
+                "use mooncake with protocol: tcp (no RDMA NIC needed) or nixl",
+            )
         if topology.transfer.staging.segment_size_mb is not None:
             yield Issue(
                 ("transfer", "staging", "segment_size_mb"),

@@ -62,12 +62,6 @@ def transfer_rules(topology: Topology, context: RuleContext) -> Iterator[Issue]:
             ("transfer", "nixl_backend"),
             f"nixl_backend applies to the nixl backend, but backend is {transfer.backend}",
         )
-    if topology.engine == "sglang" and transfer.backend == "tcp":
-        yield Issue(
-            ("transfer", "backend"),
-            "SGLang has no 'tcp' transfer backend (tcp is pdctl's builtin transport)",
-            "use mooncake with protocol: tcp (no RDMA NIC needed) or nixl",
-        )
 
 
 def _layers(topology: Topology) -> Iterator[tuple[KeyPath, Mapping[str, str]]]:

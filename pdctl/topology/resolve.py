@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pdctl.core import DEVICE_VISIBILITY_VARS
@@ -241,7 +241,10 @@ def _any_env_set(topology: Topology, names: tuple[str, ...]) -> str | None:
     return None
 
 
-def transport_needs(topology: Topology) -> Iterator[tuple[str, str, str]]:
+Need = tuple[str, str, str]  # (module | capability, name, why)
+
+
+def transport_needs(topology: Topology) -> Iterator[Need]:
     """(module | capability, name, why) the transfer backend needs where it is imported."""
     backend = topology.transfer.backend
     if backend == "mooncake":
@@ -257,7 +260,10 @@ def transport_needs(topology: Topology) -> Iterator[tuple[str, str, str]]:
         yield "capability", f"nixl.{plugin}", f"the NIXL {plugin.upper()} plugin moves the KV"
 
 
-def requirements(topology: Topology) -> Requirements:
+def requirements(topology: Topology, process_needs: Iterable[Need] = ()) -> Requirements:
+    """What the machine needs: `requires:`, the devices the roles use, the router and
+    launcher; `process_needs` what the engine imports in pdctl's own interpreter (pdctl's
+    servers: the transport; another engine checks its own in its interpreter)."""
     explicit = topology.requires
     reasons: dict[str, str] = {}
     needed = 0
@@ -275,11 +281,8 @@ def requirements(topology: Topology) -> Requirements:
             items.append(item)
             reasons[item] = why
 
-    # pdctl's servers import the transport in pdctl's interpreter; another engine's
-    # connector is checked in its own interpreter (Engine.requirements)
-    if topology.engine == "embedded":
-        for kind, item, why in transport_needs(topology):
-            need(modules if kind == "module" else capabilities, item, why)
+    for kind, item, why in process_needs:
+        need(modules if kind == "module" else capabilities, item, why)
     if topology.router.kind == "sglang-router":
         need(modules, "sglang_router", "router: sglang-router")
     if topology.launcher.kind == "ray":

@@ -229,12 +229,14 @@ def test_requirements_are_derived_from_backend_env_and_router(make_topology) -> 
         env={"MC_USE_TENT": "1"},
         router="sglang-router",
     )
-    reqs = requirements(load_checked(path).topology)
+    reqs = make_plan(load_checked(path)).requirements  # pdctl's servers import the transport
     assert reqs.modules == ("mooncake.engine", "sglang_router")
     assert reqs.capabilities == ("mooncake.tent",)
     assert "MC_USE_TENT" in reqs.reasons["mooncake.tent"]
-    nixl = requirements(load_checked(make_topology(transfer={"backend": "nixl"})).topology)
+    nixl = make_plan(load_checked(make_topology(transfer={"backend": "nixl"}))).requirements
     assert nixl.modules == ("nixl",) and nixl.capabilities == ("nixl.ucx",)
+    generic = requirements(load_checked(path).topology)  # what every engine's servers need
+    assert generic.modules == ("sglang_router",) and generic.capabilities == ()
 
 
 def test_tent_is_asked_for_by_setting_the_variable_at_all(make_topology) -> None:
@@ -242,16 +244,16 @@ def test_tent_is_asked_for_by_setting_the_variable_at_all(make_topology) -> None
     accepts requires the capability; "off" spellings are refused (tests/topology/bad)."""
     mooncake = {"backend": "mooncake", "protocol": "tcp"}
     legacy = make_topology(transfer=mooncake, roles={"decode": {"env": {"MC_USE_TEV1": "1"}}})
-    reqs = requirements(load_checked(legacy).topology)
+    reqs = make_plan(load_checked(legacy)).requirements
     assert (
         reqs.capabilities == ("mooncake.tent",) and "MC_USE_TEV1" in reqs.reasons["mooncake.tent"]
     )
     odd = load_checked(make_topology(transfer=mooncake, env={"MC_USE_TENT": "yes please"}))
-    assert requirements(odd.topology).capabilities == ("mooncake.tent",)
+    assert make_plan(odd).requirements.capabilities == ("mooncake.tent",)
     assert [w.message for w in odd.warnings] == [
         "MC_USE_TENT='yes please' asks for TENT (Mooncake reads only whether it is set)"
     ]
-    unset = requirements(load_checked(make_topology(transfer=mooncake)).topology)
+    unset = make_plan(load_checked(make_topology(transfer=mooncake))).requirements
     assert unset.capabilities == ()
 
 
