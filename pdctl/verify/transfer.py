@@ -93,22 +93,13 @@ def judge(
     except Unreadable as exc:
         return Finding(pass_name, who, "kv-unproven", f"the transfer cannot be proven: {exc}")
     if not verdict.settled:
-        return Finding(
-            pass_name,
-            who,
-            "kv-unproven",
-            f"{source} did not count {len(answered)} finished request(s) within "
-            f"{SETTLE_S:g} s: the transfer is not proven",
-        )
+        uncounted = f"{source} did not count {len(answered)} finished request(s) within "
+        message = f"{uncounted}{SETTLE_S:g} s: the transfer is not proven"
+        return Finding(pass_name, who, "kv-unproven", message)
     if verdict.problem is not None:
         many = "" if who != "-" else f" (over the pass's {len(answered)} requests)"
-        return Finding(
-            pass_name,
-            who,
-            "kv-not-transferred",
-            f"requested is not effective: {verdict.problem}{many}, per {source}",
-            evidence={"source": source},
-        )
+        message = f"requested is not effective: {verdict.problem}{many}, per {source}"
+        return Finding(pass_name, who, "kv-not-transferred", message, evidence={"source": source})
     for result in answered:
         result.transfer_proven = source
     return None
