@@ -58,11 +58,24 @@ class KeyTable:
     max_keys: int  # the longest piece's keys (host value: padding of the torch path)
     # what the torch attention derives from this table alone, once a forward, not once
     # a layer (`attention.tile_layouts`); cleared at each forward's start (`runner.run`)
-    derived: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+    derived: dict[object, object] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     @property
     def num_tiles(self) -> int:
         return self.tile_pieces.shape[0]
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The seven tables in field order (PIECE_TABLES, then TILE_TABLES), as the
+        attention kernels take them."""
+        return tuple(getattr(self, name) for name in PIECE_TABLES + TILE_TABLES)
+
+
+# KeyTable's tensors: per piece, then per query tile
+PIECE_TABLES = ("rows", "key_offsets", "query_offsets", "starts", "lengths")
+TILE_TABLES = ("tile_pieces", "tile_positions")
 
 
 @dataclass(frozen=True)
@@ -118,17 +131,8 @@ class ForwardBatch:
             },
             device,
         )
-        keys = KeyTable(
-            rows=d["rows"],
-            key_offsets=d["key_offsets"],
-            query_offsets=d["query_offsets"],
-            starts=d["starts"],
-            lengths=d["lengths"],
-            tile_pieces=d["tile_pieces"],
-            tile_positions=d["tile_positions"],
-            num_queries=sum(counts),
-            max_keys=max(lengths),
-        )
+        tables = {name: d[name] for name in PIECE_TABLES + TILE_TABLES}
+        keys = KeyTable(**tables, num_queries=sum(counts), max_keys=max(lengths))
         return ForwardBatch(d["tokens"], d["positions"], d["new_rows"], d["logit_rows"], keys)
 
 

@@ -46,7 +46,7 @@ def _kernel() -> tuple[Any, str]:  # (the C function or None, why)
     except OSError as exc:
         return None, str(exc)
     function = library.pdctl_paged_attention_f32
-    function.argtypes = (
+    function.argtypes = (  # as the call in paged_attention groups them
         [ctypes.c_void_p] * 4
         + [ctypes.c_int64] * 2
         + [ctypes.c_void_p] * 4
@@ -125,27 +125,14 @@ def paged_attention(
         raise ValueError(f"{queries} queries in the key table, q has {rows} rows")
     q = q.contiguous()
     out = torch.zeros_like(q)
-    table = [
-        t if t.is_contiguous() else t.contiguous()
-        for t in (keys.rows, keys.key_offsets, keys.query_offsets, keys.starts)
-    ]
+    tables = [t.contiguous() for t in keys.tensors[:4]]  # rows, key/query offsets, starts
+    operands = [t.data_ptr() for t in (q, k_buffer, v_buffer, out)]
+    table_pointers = [t.data_ptr() for t in tables]
+    strides = (heads * dim, kv_heads * dim)  # a row of q (and out), of K and V
+    shape = (keys.lengths.numel(), queries, heads, kv_heads, dim)
+    threads = torch.get_num_threads()
     status = function(
-        q.data_ptr(),
-        k_buffer.data_ptr(),
-        v_buffer.data_ptr(),
-        out.data_ptr(),
-        heads * dim,
-        kv_heads * dim,
-        *(t.data_ptr() for t in table),
-        keys.lengths.numel(),
-        queries,
-        heads,
-        kv_heads,
-        dim,
-        scale,
-        window or 0,
-        max_keys,
-        torch.get_num_threads(),
+        *operands, *strides, *table_pointers, *shape, scale, window or 0, max_keys, threads
     )
     if status != 0:
         raise MemoryError("the C attention could not allocate its scratch memory")

@@ -146,37 +146,22 @@ def paged_attention(
     group = heads // kv_heads
     out = torch.zeros_like(q)  # [rows, Hq, D]
     if keys.num_tiles:
+        tensors = (q, k_buffer, v_buffer, out)
+        strides = [s for t in tensors for s in t.stride()[:2]]  # each one's token, head
+        meta = {  # Triton's meta-parameters: compile-time constants, launch options
+            "GROUP": group,
+            "GROUP_PAD": triton.next_power_of_2(group),
+            "HEAD_DIM": dim,
+            "BLOCK_D": max(16, triton.next_power_of_2(dim)),
+            "QUERY_BLOCK": QUERY_BLOCK,
+            "KEY_BLOCK": KEY_BLOCK,
+            "PRECISION": "ieee" if k_buffer.dtype == torch.float32 else "tf32",
+            "WINDOW": window or 0,
+            "num_warps": NUM_WARPS,
+            "num_stages": NUM_STAGES,
+        }
         _paged_attention_kernel[(keys.num_tiles, kv_heads)](
-            q,
-            k_buffer,
-            v_buffer,
-            out,
-            keys.rows,
-            keys.key_offsets,
-            keys.query_offsets,
-            keys.starts,
-            keys.lengths,
-            keys.tile_pieces,
-            keys.tile_positions,
-            scale,
-            q.stride(0),
-            q.stride(1),
-            k_buffer.stride(0),
-            k_buffer.stride(1),
-            v_buffer.stride(0),
-            v_buffer.stride(1),
-            out.stride(0),
-            out.stride(1),
-            GROUP=group,
-            GROUP_PAD=triton.next_power_of_2(group),
-            HEAD_DIM=dim,
-            BLOCK_D=max(16, triton.next_power_of_2(dim)),
-            QUERY_BLOCK=QUERY_BLOCK,
-            KEY_BLOCK=KEY_BLOCK,
-            PRECISION="ieee" if k_buffer.dtype == torch.float32 else "tf32",
-            WINDOW=window or 0,
-            num_warps=NUM_WARPS,
-            num_stages=NUM_STAGES,
+            *tensors, *keys.tensors, scale, *strides, **meta
         )
     return out
 
@@ -194,15 +179,7 @@ def _check(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, keys
         )
     if q.shape[0] < keys.num_queries:
         raise ValueError(f"q has {q.shape[0]} rows for {keys.num_queries} queries")
-    tables = (
-        keys.rows,
-        keys.key_offsets,
-        keys.query_offsets,
-        keys.starts,
-        keys.lengths,
-        keys.tile_pieces,
-        keys.tile_positions,
-    )
+    tables = keys.tensors
     for tensor in (k_buffer, v_buffer, *tables):
         if tensor.device != q.device:
             raise ValueError(f"q is on {q.device}, a K/V buffer or table on {tensor.device}")

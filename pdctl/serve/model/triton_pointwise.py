@@ -72,16 +72,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows, width = gate.shape
     out = torch.empty((rows, width), dtype=gate.dtype, device=gate.device)  # [M, I]
     if rows and width:
+        rows_at = [t.stride(0) for t in (gate, up, out)]
         _silu_mul_kernel[(rows, triton.cdiv(width, BLOCK))](
-            gate,
-            up,
-            out,
-            width,
-            gate.stride(0),
-            up.stride(0),
-            out.stride(0),
-            BLOCK=BLOCK,
-            num_warps=NUM_WARPS,
+            gate, up, out, width, *rows_at, BLOCK=BLOCK, num_warps=NUM_WARPS
         )
     return out
 

@@ -96,28 +96,14 @@ def rope_and_cache(
     tokens, (kv_heads, dim) = qkv.shape[0], k_buffer.shape[1:]
     q = torch.empty((tokens, q_heads, dim), dtype=k_buffer.dtype, device=qkv.device)
     if tokens:
+        operands = (qkv, cos, sin, q, k_buffer, v_buffer, new_rows)
+        rows = (qkv.stride(0), cos.stride(0))  # a token's row of qkv, of the tables
+        strides = [s for t in (q, k_buffer, v_buffer) for s in t.stride()[:2]]  # token, head
+        half = dim // 2
+        meta = {"Q_HEADS": q_heads, "KV_HEADS": kv_heads, "HALF": half, "num_warps": 1}
+        meta["BLOCK"] = triton.next_power_of_2(half)
         _rope_and_cache_kernel[(tokens, q_heads + kv_heads)](
-            qkv,
-            cos,
-            sin,
-            q,
-            k_buffer,
-            v_buffer,
-            new_rows,
-            new_rows.shape[0],
-            qkv.stride(0),
-            cos.stride(0),
-            q.stride(0),
-            q.stride(1),
-            k_buffer.stride(0),
-            k_buffer.stride(1),
-            v_buffer.stride(0),
-            v_buffer.stride(1),
-            Q_HEADS=q_heads,
-            KV_HEADS=kv_heads,
-            HALF=dim // 2,
-            BLOCK=triton.next_power_of_2(dim // 2),
-            num_warps=1,
+            *operands, new_rows.shape[0], *rows, *strides, **meta
         )
     return q
 
