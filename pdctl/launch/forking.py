@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from pdctl.launch.processes import (
-    Spawned,
+    LocalSpawned,
     set_parent_death_signal,
     spawn,
     start_time,
     stop_groups,
 )
+from pdctl.launch.run_record import ForkserverRecord
 from pdctl.launch.settings import LaunchSettings
 from pdctl.settings import (
     FAULTS_VAR,
@@ -106,7 +107,7 @@ class ForkServer:
         self._replies: dict[int, Future[int]] = {}
         self._children: dict[int, ForkedProcess] = {}
         self._early_exits: dict[int, int] = {}
-        self._ready: Future[dict[str, Any]] = Future()
+        self._ready: Future[object] = Future()  # its Python threads, once imported
         self._gone = False
         threading.Thread(target=self._read, name="pdctl-forkserver", daemon=True).start()
 
@@ -123,11 +124,11 @@ class ForkServer:
         """Until the imports are done; ForkServerError when it could not get there or a
         Python thread runs in it (a forked child would not have it)."""
         try:
-            hello = self._ready.result(READY_TIMEOUT_S)
+            threads = self._ready.result(READY_TIMEOUT_S)
         except TimeoutError:
             raise ForkServerError(f"not ready within {READY_TIMEOUT_S:g} s") from None
-        if hello.get("python_threads") != 1:
-            raise ForkServerError(f"{hello.get('python_threads')} Python threads run in it")
+        if threads != 1:
+            raise ForkServerError(f"{threads} Python threads run in it")
 
     def fork(self, argv: Sequence[str], env: Mapping[str, str], log: Path) -> ForkedProcess:
         self.wait_ready()
@@ -165,7 +166,7 @@ class ForkServer:
             message = json.loads(line)
             with self._lock:
                 if message.get("ready"):
-                    self._ready.set_result(message)
+                    self._ready.set_result(message.get("python_threads"))
                 elif "exited" in message:
                     child = self._children.get(message["exited"])
                     if child is None:  # its fork's reply is still being handled
@@ -234,13 +235,13 @@ class Starter:
         die_with_parent: bool = True,
         cwd: Path | None = None,
         cores: tuple[int, ...] = (),
-    ) -> Spawned:
+    ) -> LocalSpawned:
         forkable = die_with_parent and cwd is None and not cores
         server = self._server_for(argv, env) if forkable else None
         if server is not None and server.accepts(argv, env):
             log_path.parent.mkdir(parents=True, exist_ok=True)
             try:
-                return Spawned(name, server.fork(argv, env, log_path), log_path)
+                return LocalSpawned(name, server.fork(argv, env, log_path), log_path)
             except ForkServerError as exc:
                 self._give_up(str(exc))
         where = None if cwd is None else str(cwd)
@@ -265,7 +266,7 @@ class Starter:
         log = self.log_dir / "forkserver.log"
         self.warning = f"servers are spawned, not forked: forkserver: {why} (its log: {log})"
 
-    def describe(self) -> dict[str, Any] | None:
+    def describe(self) -> ForkserverRecord | None:
         """The forkserver's pid and start time while it runs (for run.json), else None."""
         if self.server is None:
             return None

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from pdctl.launch.loopback import confine
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -40,8 +42,28 @@ class ChildProcess(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
+class Spawned(Protocol):
+    """A process a run started, wherever it runs (`LocalSpawned` on this host,
+    `ray_launcher.RemoteSpawned` on a Ray node): what the run reads of it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def pid(self) -> int: ...  # its process group too (it leads its own session)
+
+    @property
+    def log_path(self) -> Path: ...  # rank 0's log in the run directory
+
+    def exit_description(self) -> str | None: ...
+
+    def log_tail(self, lines: int = 30) -> str: ...
+
+
 @dataclass
-class Spawned:
+class LocalSpawned:
+    """A process started on this host: spawned, or forked from the run's forkserver."""
+
     name: str
     process: ChildProcess
     log_path: Path
@@ -82,6 +104,18 @@ def tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def process_env(
+    base: Mapping[str, str], overrides: Mapping[str, str], host: str, loopback_shim: bool
+) -> tuple[dict[str, str], str | None]:
+    """The whole environment a process starts with, on this host or a Ray node (the one
+    builder): `base` (its parent's) changed by `overrides` (the topology's and the
+    run's), output unbuffered, kept on loopback where `host` is (`loopback.confine`);
+    and what confinement could not do, if anything."""
+    env = {**base, **overrides}
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env, confine(env, host, loopback_shim)
+
+
 def spawn(
     name: str,
     argv: Sequence[str],
@@ -91,7 +125,7 @@ def spawn(
     die_with_parent: bool = True,
     cwd: str | None = None,
     cores: tuple[int, ...] = (),
-) -> Spawned:
+) -> LocalSpawned:
     """Start `argv` in its own session with its output in `log_path`; `cores` (if any)
     is the CPU affinity it and every thread and child it makes inherit."""
 
@@ -113,7 +147,7 @@ def spawn(
             preexec_fn=in_child if die_with_parent or cores else None,
             cwd=cwd,
         )
-    return Spawned(name, process, log_path)
+    return LocalSpawned(name, process, log_path)
 
 
 def _stat(pid: int) -> list[str] | None:

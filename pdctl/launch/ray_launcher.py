@@ -31,11 +31,13 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from pdctl.errors import LaunchError
+from pdctl.launch.run_record import NodeRecord
 from pdctl.launch.settings import LaunchSettings
 from pdctl.settings import LOG_DIR_VAR
+from pdctl.topology.model import LauncherSpec
 
 NAMESPACE = "pdctl"
 # Ray gives an actor without GPUs an empty device list; servers get the topology's own.
@@ -108,6 +110,13 @@ def connect(address: str) -> Any:
     return ray
 
 
+class Started(TypedDict):
+    """A server its actor started: its pid on the node, and where its ranks log there."""
+
+    pid: int
+    log_dir: str
+
+
 class ProcessHost:
     """The actor: one server process on this node (methods run in the actor)."""
 
@@ -117,7 +126,7 @@ class ProcessHost:
         self.log_path: Path | None = None  # rank 0's log on this node
         self.allocation: Any = None
 
-    def node(self) -> dict[str, Any]:
+    def node(self) -> NodeRecord:
         import ray
 
         node_id = ray.get_runtime_context().get_node_id()
@@ -143,19 +152,16 @@ class ProcessHost:
 
     def spawn(
         self, name: str, argv: list[str], overrides: dict[str, str], log_path: str, host: str
-    ) -> dict[str, Any]:
+    ) -> Started:
         """Start the server; its pid and the folder its ranks log into on this node."""
-        from pdctl.launch.loopback import confine
-        from pdctl.launch.processes import spawn
+        from pdctl.launch.processes import process_env, spawn
 
         wanted = Path(log_path)
-        env = {k: v for k, v in os.environ.items() if k not in RAY_DEVICE_VARS}
-        env.update(overrides)
-        settings = LaunchSettings.from_environ(env)  # this node's own, and the run's
+        node_env = {k: v for k, v in os.environ.items() if k not in RAY_DEVICE_VARS}
+        settings = LaunchSettings.from_environ({**node_env, **overrides})  # the node's, the run's
         directory = node_log_dir(wanted.parent, settings)
-        env[LOG_DIR_VAR] = str(directory)  # TP ranks > 0 log beside rank 0
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        warning = confine(env, host, settings.loopback_shim)
+        overrides = {**overrides, LOG_DIR_VAR: str(directory)}  # TP ranks > 0 log beside rank 0
+        env, warning = process_env(node_env, overrides, host, settings.loopback_shim)
         self.name, self.log_path = name, directory / wanted.name
         spawned = spawn(name, argv, env, self.log_path, die_with_parent=True)
         self.process = spawned.process
@@ -208,13 +214,13 @@ class ProcessHost:
 
 @dataclass
 class RemoteSpawned:
-    """A server started by a ProcessHost actor: what the launcher needs of `Spawned`."""
+    """A server started by a ProcessHost actor (a `processes.Spawned`)."""
 
     name: str
     pid: int
     log_path: Path
     actor: Any
-    node: dict[str, Any]
+    node: NodeRecord
 
     def _call(self, method: str, *args: Any) -> Any:
         return _ask(import_ray(), self.actor, method, *args)
@@ -242,21 +248,15 @@ class RemoteSpawned:
 class RayPlacement:
     """The actors and placement group of one run."""
 
-    def __init__(
-        self,
-        run_name: str,
-        address: str,
-        placement: str,
-        resources: Mapping[str, Mapping[str, float]],
-    ) -> None:
-        self.ray = connect(address)
-        self.run_name, self.address = run_name, address
-        self.strategy = "PACK" if placement == "pack" else "SPREAD"
-        self.resources = resources
+    def __init__(self, run_name: str, launcher: LauncherSpec) -> None:
+        self.ray = connect(launcher.address)
+        self.run_name, self.address = run_name, launcher.address
+        self.strategy = "PACK" if launcher.placement == "pack" else "SPREAD"
+        self.resources: Mapping[str, Mapping[str, float]] = launcher.resources
         self.actors: dict[str, Any] = {}
         self.group: Any = None
 
-    def place(self, processes: Sequence[tuple[str, str]], timeout: float) -> dict[str, Any]:
+    def place(self, processes: Sequence[tuple[str, str]], timeout: float) -> dict[str, NodeRecord]:
         """One actor per (process name, role); name -> its node {ip, node_id, hostname}."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -276,7 +276,7 @@ class RayPlacement:
                 hint="check `ray status`: each bundle needs a node with those resources",
             )
         remote = self.ray.remote(ProcessHost)
-        nodes = {}
+        nodes: dict[str, NodeRecord] = {}
         for index, (name, role) in enumerate(processes):
             actor = remote.options(
                 name=f"{self.run_name}/{name}",

@@ -6,8 +6,8 @@ SGLang's each on their own endpoints). Once every process is ready, a 1-token
 request through the router must come back: the proof that the run serves PD. A
 process that exits at any point fails the run at once, with its log tail; so does
 the start-up timeout, naming what was not ready. This module owns the waiting,
-nothing of how processes start or stop: the run (`run.py`) records what it found and
-stops itself when it fails.
+nothing of how processes start or stop: it returns the canary or raises LaunchFailed,
+and the run (`run.py`) records what it found and stops itself when it fails.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pdctl.engines import get_engine
 from pdctl.engines.dialect import AnswerError
 from pdctl.engines.probes import Probe
 from pdctl.launch.plan import LaunchPlan
+from pdctl.launch.run_record import Canary
 from pdctl.launch.stages import REFERENCE_ROLE, LaunchFailed, ProcessState
 
 
@@ -41,12 +42,17 @@ class Watched(Protocol):
 
     def describe(self, state: ProcessState) -> str: ...
 
-    def check_exits(self) -> None: ...
+    def first_exit(self) -> LaunchFailed | None: ...
 
 
-def wait_ready(
-    run: Watched, timeout: float | None, on_change: Callable[[], None] | None
-) -> dict[str, Any]:
+def check_exits(run: Watched) -> None:
+    """Raise the failure naming the first process of `run` that exited, if one did."""
+    failure = run.first_exit()
+    if failure is not None:
+        raise failure
+
+
+def wait_ready(run: Watched, timeout: float | None, on_change: Callable[[], None] | None) -> Canary:
     """Block until `run` serves; the canary's answer. LaunchFailed when a process exits or
     the time is up (the caller stops the run)."""
     limit = timeout if timeout is not None else run.plan.topology.launcher.startup_timeout_s
@@ -74,7 +80,7 @@ def awaited(states: list[ProcessState]) -> list[ProcessState]:
 
 def poll(run: Watched, client: httpx.Client) -> bool:
     """One round of probes over the processes not ready yet; whether a stage moved."""
-    run.check_exits()
+    check_exits(run)
     changed = False
     for state in awaited(run.states):
         if state.stage == "ready":
@@ -113,7 +119,7 @@ def check(
     return None
 
 
-def canary(run: Watched, deadline: float) -> dict[str, Any]:
+def canary(run: Watched, deadline: float) -> Canary:
     """A 1-token request through the router, the proof that the run serves: its time,
     tokens and transfer."""
     router = next(s for s in run.states if s.plan.name == "router")
@@ -121,16 +127,17 @@ def canary(run: Watched, deadline: float) -> dict[str, Any]:
     path, request = dialect.canary()
     problem = ""
     while True:
-        run.check_exits()
+        check_exits(run)
         started = time.monotonic()
         try:
             response = httpx.post(f"{run.router_url}{path}", json=request, timeout=30)
             if response.status_code == 200:
                 answer = dialect.read(response.json())
+                transfer = answer.kv_transfer
                 return {
                     "ms": round((time.monotonic() - started) * 1e3, 1),
                     "output_ids": answer.output_ids,
-                    "kv_transfer": answer.kv_transfer and answer.kv_transfer.to_json(),
+                    "kv_transfer": None if transfer is None else transfer.to_json(),
                 }
             problem = f"canary request answered {response.status_code}: {response.text[:300]}"
         except (AnswerError, ValueError) as exc:

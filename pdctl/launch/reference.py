@@ -3,8 +3,9 @@
 verify compares PD with it (the reference pass) and reproduces divergences on it
 with no KV transfer at all (the control before blame). The engine says what the
 server is (`Engine.reference`: its ports, command and probes); this module starts it
-with the run's environment and hands it to the run as one more process, so it is stopped
-with the run (by the run's owner, also when it fails to start), and waits for it.
+on this host with the run's environment and hands it to the run as one more process,
+so it is stopped with the run (by the run's owner, also when it fails to start), and
+waits for it.
 Engine faults (perturb-prefix-hit) reach it as they reach the engine's PD servers.
 """
 
@@ -21,33 +22,31 @@ import httpx
 
 from pdctl.engines import get_engine
 from pdctl.engines.command import render_command
-from pdctl.launch.forking import Starter
+from pdctl.launch.hosts import LocalHost
 from pdctl.launch.plan import LaunchPlan, ProcessPlan
 from pdctl.launch.ports import Allocation, allocate
-from pdctl.launch.preparation import make_workdir
 from pdctl.launch.readiness import check
 from pdctl.launch.stages import REFERENCE_ROLE, LaunchFailed, ProcessState
 from pdctl.settings import FAULTS_VAR
 from pdctl.topology.resolve import faults_of
 
 
-class Host(Protocol):
+class Joined(Protocol):
     """What the reference takes of the run it joins (`run.Run`); it records nothing there:
     the run adds the state `spawn_reference` returns to its processes."""
 
     plan: LaunchPlan
     dir: Path
-    detach: bool
-    starter: Starter
     secret: str
 
     @property
     def host(self) -> str: ...
 
     @property
-    def render_map(self) -> dict[str, int | str]: ...
+    def local(self) -> LocalHost: ...
 
-    def workdir(self, name: str) -> Path: ...
+    @property
+    def render_map(self) -> dict[str, int | str]: ...
 
     def env_for(
         self, process: ProcessPlan, ports: Mapping[str, int] | None = None
@@ -61,7 +60,7 @@ class StartingReference:
     """A reference server spawned and not yet ready: `wait` for its URL (from any
     thread; the spawn itself happened on the caller's, whose exit the child watches)."""
 
-    run: Host
+    run: Joined
     state: ProcessState
     ports: Allocation
 
@@ -78,22 +77,23 @@ class StartingReference:
         return self.state.url
 
 
-def spawn_reference(run: Host, tp: int = 1) -> StartingReference:
+def spawn_reference(run: Joined, tp: int = 1) -> StartingReference:
     """Spawn the reference next to `run`'s processes; `wait` says when its probes answer."""
     topology = run.plan.topology
     engine = get_engine(topology.engine)
     spec = engine.reference(topology, tp)
     ports = allocate(list(spec.slots), run.host)
     plan = ProcessPlan(
-        "reference",
-        REFERENCE_ROLE,
-        0,
-        (),
-        spec.slots,
-        spec.env,
-        spec.command,
-        spec.probes,
-        engine.workdir,
+        name="reference",
+        role=REFERENCE_ROLE,
+        replica=0,
+        ranks=(),  # its TP ranks are its own
+        ports=spec.slots,
+        env=spec.env,
+        command=spec.command,
+        probes=spec.probes,
+        workdir=engine.workdir,
+        cores=spec.cores,
     )
     state = ProcessState(plan, f"http://{run.host}:{ports.ports['reference.http']}")
     env = run.env_for(plan, ports.ports)
@@ -101,25 +101,16 @@ def spawn_reference(run: Host, tp: int = 1) -> StartingReference:
     if faults:
         env[FAULTS_VAR] = json.dumps(faults)
     run.dir.mkdir(parents=True, exist_ok=True)
-    where = make_workdir(run.workdir("reference")) if engine.workdir else None
     argv = render_command(spec.command, ports.ports)
     try:
-        state.spawned = run.starter.spawn(
-            "reference",
-            argv,
-            env,
-            run.dir / "reference-tp0.log",
-            die_with_parent=not run.detach,
-            cwd=where,
-            cores=spec.cores,
-        )
+        state.spawned = run.local.spawn(plan, argv, run.dir / "reference-tp0.log", env)
     except BaseException:
         ports.release()
         raise
     return StartingReference(run, state, ports)
 
 
-def _wait(run: Host, state: ProcessState, ports: dict[str, int], timeout: float) -> None:
+def _wait(run: Joined, state: ProcessState, ports: dict[str, int], timeout: float) -> None:
     """Until the reference's probes answer. Only its own exit is checked, and nothing is
     stopped here: this may run beside the passes on another thread, and the run's owner
     watches (and stops) the run's other processes itself."""

@@ -1,12 +1,12 @@
-"""One run of a topology on this host: allocate ports, spawn every process, stop them.
+"""One run of a topology: reserve ports, start every process, wait until it serves, stop.
 
-`start` allocates every listener and spawns the processes (servers first, the router
+`start` reserves every listener and starts the processes (servers first, the router
 last), each in its own process group with its own log; `wait_ready` runs the layered
 readiness of `readiness.py` (the engines' probes, then a canary through the router);
 `start_reference` adds the colocated reference server (`reference.py`); `stop` ends
 every process group this run started and checks that nothing of it is left. Where
-processes start is a plug point (`launcher.py`): this class is the local launcher,
-`ray_run.RayRun` the Ray one.
+processes start is the run's host (`hosts.py`, picked by `launcher.kind`): this host,
+or the nodes of a Ray cluster; the run, its start loop and its record are the same.
 """
 
 from __future__ import annotations
@@ -19,24 +19,23 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from pdctl.engines.command import render_command, render_value
 from pdctl.launch import state as run_state
 from pdctl.launch.forking import Starter, forks_by_default
-from pdctl.launch.listeners import Listener, listeners
-from pdctl.launch.loopback import confine, is_loopback
+from pdctl.launch.hosts import Host, LocalHost, Reserved, make_host
+from pdctl.launch.listeners import Listener
+from pdctl.launch.loopback import is_loopback
 from pdctl.launch.plan import LaunchPlan, ProcessPlan
-from pdctl.launch.ports import Allocation, allocate
-from pdctl.launch.preparation import make_workdir, prepare
-from pdctl.launch.processes import start_time, stop_groups
+from pdctl.launch.processes import process_env
 from pdctl.launch.readiness import wait_ready
 from pdctl.launch.reference import StartingReference, spawn_reference
+from pdctl.launch.run_record import Canary, ProcessRecord, RunRecord
 from pdctl.launch.settings import LaunchSettings
 from pdctl.launch.stages import STAGES, LaunchFailed, ProcessState
-from pdctl.records import ServerInfo
+from pdctl.records import RingState, ServerInfo
 from pdctl.settings import LOG_DIR_VAR, PROCESS_NAME_VAR, RUN_ID_VAR, RUN_SECRET_VAR
 
 __all__ = ["STAGES", "LaunchFailed", "ProcessState", "Run", "run_name"]
@@ -47,7 +46,7 @@ def run_name(plan: LaunchPlan) -> str:
 
 
 class Run:
-    """A run on this host (the local launcher)."""
+    """A run of a topology, on the host its launcher names."""
 
     def __init__(
         self,
@@ -68,23 +67,36 @@ class Run:
         self.parent_env = dict(os.environ if parent_env is None else parent_env)
         self.secret = secrets.token_hex(16)
         self.run_id = self.name
-        self.allocation: Allocation | None = None
+        self.reserved: Reserved | None = None
         self.states: list[ProcessState] = []
-        self.canary: dict[str, Any] | None = None
+        self.canary: Canary | None = None
         self.started_at = time.time()
         self.state_path: Path | None = None
         self.warnings: list[str] = []  # what the run could not do as asked (not fatal)
-        self.hosts: dict[str, str] = {}  # process -> its address, where not the topology's host
         # the embedded servers of an attached CPU run are forked from one process that
         # imported them once (`forking`); the rest is spawned
         self.settings = LaunchSettings.from_environ(self.parent_env)
         forks = not detach and forks_by_default(topology.device, self.settings)
-        self.starter = Starter(topology.name, self.dir, forks=forks)
+        self.spawner: Host = make_host(self, forks=forks)
 
     # -- what the run is -------------------------------------------------------------
     @property
+    def local(self) -> LocalHost:
+        """This host's part of the run (all of it, unless the launcher is Ray)."""
+        return self.spawner.local
+
+    @property
+    def starter(self) -> Starter:
+        return self.local.starter
+
+    @property
     def ports(self) -> dict[str, int]:
-        return self.allocation.ports if self.allocation else {}
+        return self.reserved.ports if self.reserved else {}
+
+    @property
+    def hosts(self) -> dict[str, str]:
+        """Process -> its address, where not the topology's host."""
+        return self.reserved.hosts if self.reserved else {}
 
     @property
     def host(self) -> str:
@@ -126,16 +138,26 @@ class Run:
     def env_for(
         self, process: ProcessPlan, ports: Mapping[str, int] | None = None
     ) -> dict[str, str]:
-        """The whole environment a process of this run starts with (the one builder)."""
-        env = {**self.parent_env, **self.env_overrides(process, ports)}
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        warning = confine(env, self.host, self.settings.loopback_shim)
-        if warning and warning not in self.warnings:
-            self.warnings.append(warning)
+        """The whole environment a process of this run starts with on this host."""
+        overrides = self.env_overrides(process, ports)
+        env, warning = process_env(
+            self.parent_env, overrides, self.host, self.settings.loopback_shim
+        )
+        self.warn(warning)
         return env
 
-    def to_json(self) -> dict[str, Any]:
-        return {
+    def warn(self, warning: str | None) -> None:
+        """Note what the run could not do as asked (once)."""
+        if warning and warning not in self.warnings:
+            self.warnings.append(warning)
+
+    def to_json(self) -> dict[str, object]:
+        """run.json as it is written (`record`)."""
+        return dict(self.record())
+
+    def record(self) -> RunRecord:
+        """What this run started, where and how it went (run.json, `pdctl status`)."""
+        record: RunRecord = {
             "name": self.name,
             "topology": self.plan.topology.name,
             "file": self.plan.loaded.file,
@@ -148,28 +170,31 @@ class Run:
             "warnings": self.warnings,
             "ports": self.ports,
             "forkserver": self.starter.describe(),
-            "processes": [
-                {
-                    "name": s.plan.name,
-                    "role": s.plan.role,
-                    "replica": s.plan.replica,
-                    "url": s.url,
-                    "pid": s.spawned.pid if s.spawned else None,
-                    "pgid": s.spawned.pid if s.spawned else None,
-                    "start_time": start_time(s.spawned.pid) if s.spawned else None,
-                    "titles": [r.title for r in s.plan.ranks],
-                    "log": str(s.spawned.log_path) if s.spawned else None,
-                    "stage": s.stage,
-                    "command": render_command(s.plan.command, self.render_map),
-                }
-                for s in self.states
-            ],
+            "processes": [self.process_record(s) for s in self.states],
             "plan": self.plan.to_json(self.parent_env),
+        }
+        self.spawner.annotate(record)
+        return record
+
+    def process_record(self, state: ProcessState) -> ProcessRecord:
+        spawned = state.spawned
+        return {
+            "name": state.plan.name,
+            "role": state.plan.role,
+            "replica": state.plan.replica,
+            "url": state.url,
+            "pid": spawned.pid if spawned else None,
+            "pgid": spawned.pid if spawned else None,
+            "start_time": self.spawner.start_time(spawned) if spawned else None,
+            "titles": [r.title for r in state.plan.ranks],
+            "log": str(spawned.log_path) if spawned else None,
+            "stage": state.stage,
+            "command": render_command(state.plan.command, self.render_map),
         }
 
     def write_state(self) -> Path:
         """run.json in the run directory, and the host-wide record `status` reads."""
-        data = self.to_json()
+        data = self.record()
         path = self.dir / "run.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2))
@@ -194,36 +219,31 @@ class Run:
             self.stop()
 
     def start(self) -> None:
-        """Prepare, allocate ports and spawn every process (servers first, the router
-        last)."""
-        prepare(self.plan.preparations)
-        slots = [slot for process in self.plan.processes for slot in process.ports]
-        self.allocation = allocate(slots, self.host)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for process in self.plan.processes:
-            port = self.ports[f"{process.name}.http"]
-            self.states.append(ProcessState(process, f"http://{self.host}:{port}"))
+        """Reserve ports (after the engine's preparations, on this host) and start every
+        process (servers first, the router last); whatever fails stops the run."""
         try:
+            self.reserved = self.spawner.reserve(self.plan.processes)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for process in self.plan.processes:
+                port = self.ports[f"{process.name}.http"]
+                url = f"http://{self.host_of(process.name)}:{port}"
+                self.states.append(ProcessState(process, url))
             for state in self.states:
-                where = None
-                if state.plan.workdir:
-                    where = make_workdir(self.workdir(state.plan.name))
-                argv = render_command(state.plan.command, self.ports)
-                state.spawned = self.starter.spawn(
-                    state.plan.name,
-                    argv,
-                    self.env_for(state.plan),
-                    self.dir / f"{state.plan.name}-tp0.log",
-                    die_with_parent=not self.detach,
-                    cwd=where,
-                    cores=state.plan.cores,
-                )
-        except OSError as exc:
+                self.spawn(state)
+        except BaseException:
             self.stop()
-            raise LaunchFailed(f"could not start {state.plan.name}: {exc}") from None
-        if self.starter.warning and self.starter.warning not in self.warnings:
-            self.warnings.append(self.starter.warning)
+            raise
+        self.warn(self.starter.warning)
         self.write_state()
+
+    def spawn(self, state: ProcessState) -> None:
+        """Start one process of the run on its host."""
+        name = state.plan.name
+        argv = render_command(state.plan.command, self.render_map)
+        try:
+            state.spawned = self.spawner.spawn(state.plan, argv, self.dir / f"{name}-tp0.log")
+        except OSError as exc:
+            raise LaunchFailed(f"could not start {name}: {exc}") from None
 
     def wait_ready(
         self, timeout: float | None = None, on_change: Callable[[Run], None] | None = None
@@ -238,13 +258,12 @@ class Run:
         self.check_listeners()
         if on_change is not None:
             on_change(self)
-        if self.allocation is not None:
-            self.allocation.release()
+        self.spawner.release()
         self.write_state()
 
     def pools_back(
         self, timeout: float = 30.0, names: Iterable[str] | None = None
-    ) -> tuple[bool, list[str], dict[str, Any]]:
+    ) -> tuple[bool, list[str], dict[str, RingState]]:
         """Wait until every server's KV pool is full (radix cache apart), its staging ring
         empty and no room open; returns (all back, what is still held, the rings' state)."""
         wanted = set(names) if names is not None else None
@@ -256,7 +275,7 @@ class Run:
         deadline = time.monotonic() + timeout
         while True:
             problems: list[str] = []
-            rings: dict[str, Any] = {}
+            rings: dict[str, RingState] = {}
             for state in servers:
                 try:
                     response = httpx.get(f"{state.url}/get_server_info", timeout=10)
@@ -266,14 +285,14 @@ class Run:
                     continue
                 problems += [f"{state.plan.name}: {leak}" for leak in info.leaks()]
                 if info.staging_ring is not None:
-                    rings[state.plan.name] = info.staging_ring.to_json()
+                    rings[state.plan.name] = info.staging_ring
             if not problems or time.monotonic() > deadline:
                 return not problems, problems, rings
             time.sleep(0.2)
 
     def listeners(self) -> dict[str, list[Listener]]:
         """Each process's listening TCP sockets (every rank of its process group)."""
-        return {s.plan.name: listeners(s.spawned.pid) for s in self.states if s.spawned}
+        return self.spawner.listeners()
 
     def check_listeners(self) -> None:
         for name, found in self.listeners().items():
@@ -295,18 +314,23 @@ class Run:
         lines += [f"    | {line}" for line in tail.splitlines()] or ["    | (empty log)"]
         return "\n".join(lines)
 
-    def check_exits(self) -> None:
-        """Raise LaunchFailed naming the first process that exited (the run is stopped)."""
+    def first_exit(self) -> LaunchFailed | None:
+        """The failure naming the first process that exited, with its log; None while
+        every process runs. Nothing is stopped."""
         for state in self.states:
             assert state.spawned is not None
             how = state.spawned.exit_description()
             if how is not None:
-                report = self.describe(state)
-                self.stop()
-                raise LaunchFailed(
-                    f"{state.plan.name} ({state.plan.role}, pid {state.spawned.pid}) {how}",
-                    report,
-                )
+                what = f"{state.plan.name} ({state.plan.role}, pid {state.spawned.pid}) {how}"
+                return LaunchFailed(what, self.describe(state))
+        return None
+
+    def check_exits(self) -> None:
+        """Raise LaunchFailed naming the first process that exited (the run is stopped)."""
+        failure = self.first_exit()
+        if failure is not None:
+            self.stop()
+            raise failure
 
     def start_reference(self, tp: int = 1, timeout: float | None = None) -> str:
         """A colocated server of the same engine and model, ready; its URL."""
@@ -322,12 +346,8 @@ class Run:
     # -- stop ------------------------------------------------------------------------
     def stop(self, grace: float = 5.0) -> list[str]:
         """End every process group of this run (router first); names of any left alive."""
-        spawned = [s.spawned for s in reversed(self.states) if s.spawned is not None]
-        left = stop_groups([p.pid for p in spawned], grace, [p.process for p in spawned])
-        self.starter.close()  # after its servers: they die with it
-        if self.allocation is not None:
-            self.allocation.release()
+        left = self.spawner.stop(grace)
         if self.state_path is not None and not left:
             with contextlib.suppress(FileNotFoundError):
                 self.state_path.unlink()
-        return [p.name for p in spawned if p.pid in left]
+        return left

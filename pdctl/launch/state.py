@@ -20,6 +20,7 @@ import httpx
 
 from pdctl.launch.ports import state_dir
 from pdctl.launch.processes import group_members, pid_alive, stop_groups
+from pdctl.launch.run_record import ProcessRecord, RunRecord
 
 
 def runs_dir() -> Path:
@@ -28,7 +29,7 @@ def runs_dir() -> Path:
 
 @dataclass
 class RunState:
-    data: dict[str, Any]
+    data: dict[str, Any]  # the record as read from its file (`RunRecord` when pdctl wrote it)
     path: Path
 
     @property
@@ -40,7 +41,7 @@ class RunState:
         return str(self.data["topology"])
 
     @property
-    def processes(self) -> list[dict[str, Any]]:
+    def processes(self) -> list[ProcessRecord]:
         return list(self.data["processes"])
 
     @property
@@ -48,7 +49,7 @@ class RunState:
         """Started by `launcher: ray`: its processes are asked through their Ray actors."""
         return self.data.get("launcher") == "ray"
 
-    def alive(self, process: dict[str, Any]) -> bool:
+    def alive(self, process: ProcessRecord) -> bool:
         if self.on_ray:
             from pdctl.launch.ray_launcher import recorded_alive
 
@@ -56,7 +57,7 @@ class RunState:
         pid = process.get("pid")
         return pid is not None and pid_alive(int(pid), process.get("start_time"))
 
-    def live_processes(self) -> list[dict[str, Any]]:
+    def live_processes(self) -> list[ProcessRecord]:
         if self.on_ray:
             from pdctl.launch.ray_launcher import recorded_alive
 
@@ -91,9 +92,9 @@ class RunState:
             from pdctl.launch.ray_launcher import stop_recorded
 
             left = stop_recorded(self.data, grace)
-            pids = [int(p["pid"]) for p in self.processes if p["name"] in left]
+            pids = [p["pid"] for p in self.processes if p["name"] in left and p["pid"] is not None]
             return len(self.processes), pids
-        pgids = [int(p["pgid"]) for p in self.live_processes()]
+        pgids = [p["pgid"] for p in self.live_processes() if p["pgid"] is not None]
         stop_groups(pgids, grace)
         return len(pgids), [pid for pgid in pgids for pid in group_members(pgid)]
 
@@ -102,7 +103,7 @@ class RunState:
             self.path.unlink()
 
 
-def save(data: dict[str, Any]) -> Path:
+def save(data: RunRecord) -> Path:
     directory = runs_dir()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{data['name']}.json"
