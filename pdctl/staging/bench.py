@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdctl.staging import device as dev
-from pdctl.staging.kernels import gather_all_layers_to_staging, scatter_staging_to_kv
+from pdctl.staging.kernels import gather_slice, scatter_slice
 from pdctl.staging.kernels.base import default_backend
+from pdctl.staging.layout import KVSlice
 
 
 @dataclass(frozen=True)
@@ -123,29 +124,14 @@ def run_shape(
     target = torch.empty_like(source)
     name = backend or default_backend(device)
 
+    prefill_heads = KVSlice(heads, heads, shape.page_size)  # prefill's upper heads (TP1 -> TP2)
+    decode_heads = KVSlice(0, heads, shape.page_size)
+
     def gather() -> object:
-        return gather_all_layers_to_staging(
-            prefill_k,
-            prefill_v,
-            pages,
-            staging,
-            src_head_start=heads,
-            num_heads=heads,
-            page_size=shape.page_size,
-            backend=name,
-        )
+        return gather_slice(prefill_k, prefill_v, pages, staging, prefill_heads, name)
 
     def scatter() -> object:
-        return scatter_staging_to_kv(
-            staging,
-            decode_k,
-            decode_v,
-            pages,
-            page_size=shape.page_size,
-            dst_head_start=0,
-            num_heads=heads,
-            backend=name,
-        )
+        return scatter_slice(staging, decode_k, decode_v, pages, decode_heads, name)
 
     timings: dict[str, list[float]] = {"copy": [], "gather": [], "scatter": []}
     operations = {"copy": lambda: target.copy_(source), "gather": gather, "scatter": scatter}

@@ -16,7 +16,7 @@ import torch
 
 from pdctl.staging import device as dev
 from pdctl.staging.descriptors import as_u64, tensor_ptr
-from pdctl.staging.kernels.base import get_backend
+from pdctl.staging.kernels.base import KVColumns, get_backend
 
 Register = Callable[[int, int, str, int | None], None]  # (ptr, nbytes, device_type, gpu_id)
 
@@ -85,7 +85,7 @@ def copy_mla_rows_into_pack(
         raise ValueError(f"{rows.numel()} rows of {row_bytes} bytes do not fit the pack")
     packed = pack[:nbytes].view(len(kv_buffers), rows.numel(), row_bytes)
     buffers = [b.reshape(b.shape[0], -1).view(torch.uint8) for b in kv_buffers]
-    get_backend(backend).gather(buffers, rows, 1, packed, 0)
+    get_backend(backend).gather(KVColumns(buffers, rows, 1, 0), packed)
     return packed
 
 

@@ -28,7 +28,7 @@ no more (each notified after its bytes) and are freed as usual.
 
 The handler owns its ring's regions and its lock; pages belong to the caller's KV
 pool. Handlers sharing one ring (one per prefill TP) must share one lock: the
-allocator is then guarded once. Pages are checked in place (`kernels.page_digests`).
+allocator is then guarded once. Pages are checked in place (`kernels.slice_digests`).
 It knows nothing of the protocol that carries offers and digests.
 """
 
@@ -49,8 +49,8 @@ from pdctl.staging.digest import block_digests, first_mismatch
 from pdctl.staging.kernels import (
     PageIndices,
     describe_kv,
-    page_digests,
     scatter_staging_to_kv,
+    slice_digests,
     upload_pages,
 )
 from pdctl.staging.layout import Segment, StagingLayout
@@ -251,7 +251,7 @@ class DecodeStagingHandler:
     def check_pages(
         self, pages: PageIndices, plan: Sequence[Segment], expected: Digests
     ) -> DigestMismatch | None:
-        """Digest `plan`'s segments where they lie in `pages` (`page_digests`, nothing
+        """Digest `plan`'s segments where they lie in `pages` (`slice_digests`, nothing
         gathered) and compare them with the writers' digests (`expected[w]`: every
         segment's, in order): proof that the KV landed in the pages, not only in the
         ring. Any page list, staged or written directly."""
@@ -262,15 +262,9 @@ class DecodeStagingHandler:
                 sent = list(expected[writer])
                 if len(sent) != per_segment * len(plan):
                     return DigestMismatch(writer, piece.prefill_rank, 0, "K", "pages")
-                found_in = page_digests(  # read in place from the pages (see kernels)
-                    self.k_buffers,
-                    self.v_buffers,
-                    pages,
-                    spans,
-                    head_start=piece.dst_head_start,
-                    num_heads=piece.num_heads,
-                    page_size=self.page_size,
-                    backend=self.backend,
+                landed = piece.destination(self.page_size)  # read in place (see kernels)
+                found_in = slice_digests(
+                    self.k_buffers, self.v_buffers, pages, spans, landed, self.backend
                 )
                 for number, received in enumerate(found_in):
                     found = first_mismatch(

@@ -53,6 +53,17 @@ def rank_heads(num_kv_heads: int, tp: int, rank: int) -> range:
 
 
 @dataclass(frozen=True)
+class KVSlice:
+    """Heads [head_start, +num_heads) of every layer's K and V in a pool of pages of
+    `page_size` tokens: what one checked gather, scatter, page digest or mapped write
+    reads or writes (`kernels`). The buffers say the rest (head_dim, dtype, strides)."""
+
+    head_start: int  # among the rank's local heads
+    num_heads: int
+    page_size: int
+
+
+@dataclass(frozen=True)
 class HeadSlice:
     """Heads one prefill rank writes into one decode rank's KV."""
 
@@ -60,6 +71,14 @@ class HeadSlice:
     src_head_start: int  # among the prefill rank's local heads
     dst_head_start: int  # among the decode rank's local heads
     num_heads: int
+
+    def source(self, page_size: int) -> KVSlice:
+        """The heads read on the prefill rank."""
+        return KVSlice(self.src_head_start, self.num_heads, page_size)
+
+    def destination(self, page_size: int) -> KVSlice:
+        """The heads written on the decode rank."""
+        return KVSlice(self.dst_head_start, self.num_heads, page_size)
 
 
 def _holder(num_kv_heads: int, prefill_tp: int, head: int, decode_rank: int) -> int:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdctl.staging import kernels
-from pdctl.staging.kernels import captured, native
+from pdctl.staging.kernels import KVSlice, captured, native
 from pdctl.staging.kernels.base import BufferCache, keeping
 from pdctl.staging.kernels.captured import CapturedCalls, Eager
 from pdctl.staging.kernels.pages import host_ids
@@ -19,6 +19,7 @@ from pdctl.staging.settings import StagingSettings
 from tests.staging.kv_factory import as_bits, naive_gather, random_kv, random_pages
 
 PAGE, POOL_PAGES, COUNT = 4, 32, 6
+HEADS = KVSlice(1, 1, PAGE)  # the second of two heads
 
 
 class FakeSlot:
@@ -69,13 +70,13 @@ def setup(seed: int = 0):  # type: ignore[no-untyped-def]
 def gather_via(calls: CapturedCalls, k, v, staging, pages, counter: list[int]) -> int:  # type: ignore[no-untyped-def]
     def eager(ids: Any) -> int:
         counter[0] += 1
-        return kernels._gather(k, v, ids, staging, (1, 1), PAGE, "torch")
+        return kernels.gather_slice(k, v, ids, staging, HEADS, "torch")  # eager: staging on the CPU
+
+    def host(into: torch.Tensor | None) -> torch.Tensor:
+        return host_ids(k, v, pages, PAGE, into)
 
     key = ("gather", id(k), id(v), staging.data_ptr(), staging.numel(), len(pages))
-    return calls.arm(
-        key, (k, v), staging.device,
-        lambda into: host_ids(k, v, pages, PAGE, into), eager, pages,
-    )()  # fmt: skip
+    return calls.arm(key, (k, v), staging.device, host, eager, pages)()
 
 
 def test_a_shape_is_captured_on_its_sights_then_replayed_with_each_calls_ids() -> None:
@@ -213,7 +214,7 @@ def test_armed_calls_launch_later_each_with_its_own_ids() -> None:
     def arm(pages: list[int], staging: torch.Tensor):  # type: ignore[no-untyped-def]
         def eager(ids: Any) -> torch.Tensor:
             counter[0] += 1
-            kernels._gather(k, v, ids, staging, (1, 1), PAGE, "torch")
+            kernels.gather_slice(k, v, ids, staging, HEADS, "torch")  # eager: staging on the CPU
             return staging.clone()
 
         host = lambda into: host_ids(k, v, pages, PAGE, into)  # noqa: E731

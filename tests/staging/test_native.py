@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdctl.staging.kernels import native
+from pdctl.staging.kernels.base import KVColumns
 from pdctl.staging.kernels.reference import TorchKernels
 from tests.staging.kv_factory import as_bits, random_kv
 
@@ -25,12 +26,12 @@ def test_the_c_copy_is_built_and_serves_the_cpu() -> None:
     buffers = words()
     pages = torch.tensor([5, 0, 9], dtype=torch.int64)
     staging = torch.empty(len(buffers), 3 * 2, 4, dtype=torch.int64)  # page 2, 4 of 16 words
-    assert native.copy_rows(buffers, pages, 2, staging, 8, to_staging=True)
+    assert native.copy_rows(KVColumns(buffers, pages, 2, 8), staging, to_staging=True)
     rows = [p * 2 + t for p in pages.tolist() for t in range(2)]
     for b, buffer in enumerate(buffers):
         assert torch.equal(staging[b], buffer[rows, 8:12])
     targets = [torch.zeros_like(b) for b in buffers]
-    assert native.copy_rows(targets, pages, 2, staging, 8, to_staging=False)
+    assert native.copy_rows(KVColumns(targets, pages, 2, 8), staging, to_staging=False)
     for target, buffer in zip(targets, buffers, strict=True):
         assert torch.equal(target[rows, 8:12], buffer[rows, 8:12])
         untouched = torch.ones(target.shape[0], dtype=torch.bool)
@@ -43,9 +44,10 @@ def test_layouts_it_does_not_copy_are_declined_untouched() -> None:
     staging = torch.zeros(len(buffers), 2, 4, dtype=torch.int64)
     pages = torch.tensor([1, 2], dtype=torch.int64)
     strided = [b[:, ::2] for b in buffers]  # rows not contiguous
-    assert not native.copy_rows(strided, pages, 1, staging, 0, to_staging=True)
-    assert not native.copy_rows(buffers, pages.int(), 1, staging, 0, to_staging=True)
-    assert not native.copy_rows(buffers, pages, 1, staging.transpose(1, 2), 0, to_staging=True)
+    assert not native.copy_rows(KVColumns(strided, pages, 1, 0), staging, to_staging=True)
+    assert not native.copy_rows(KVColumns(buffers, pages.int(), 1, 0), staging, to_staging=True)
+    kv = KVColumns(buffers, pages, 1, 0)
+    assert not native.copy_rows(kv, staging.transpose(1, 2), to_staging=True)
     assert not staging.any()
 
 
@@ -54,7 +56,7 @@ def test_page_ids_outside_the_pool_are_refused_before_any_copy(bad) -> None:
     buffers = words(pool=32)
     staging = torch.zeros(len(buffers), 2 * len(bad), 4, dtype=torch.int64)
     with pytest.raises(ValueError, match="outside the pool"):
-        TorchKernels().gather(buffers, torch.tensor(bad, dtype=torch.int64), 2, staging, 0)
+        TorchKernels().gather(KVColumns(buffers, torch.tensor(bad), 2, 0), staging)
     assert not staging.any()
 
 
@@ -88,11 +90,11 @@ def test_a_large_copy_lands_every_byte_whatever_the_path(
     row_words = 2 * chunk_words + col_words
     generator = torch.Generator().manual_seed(page_size)
     pool_pages = pages_used + 11
+    shape = (pool_pages * page_size, row_words)
     buffers = [
-        torch.randint(-(2**15), 2**15, (pool_pages * page_size, row_words), dtype=torch.int16,
-                      generator=generator)
+        torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
         for _ in range(num_buffers)
-    ]  # fmt: skip
+    ]
     pages = torch.randperm(pool_pages, generator=generator)[:pages_used]
     tokens = pages_used * page_size
     rows = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
@@ -100,11 +102,13 @@ def test_a_large_copy_lands_every_byte_whatever_the_path(
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert native.copy_rows(buffers, pages, page_size, staging, col_words, to_staging=True)
+        source = KVColumns(buffers, pages, page_size, col_words)
+        assert native.copy_rows(source, staging, to_staging=True)
         for b, buffer in enumerate(buffers):
             assert torch.equal(staging[b], buffer[rows, col_words : col_words + chunk_words]), b
         targets = [torch.zeros_like(b) for b in buffers]
-        assert native.copy_rows(targets, pages, page_size, staging, col_words, to_staging=False)
+        target_rows = KVColumns(targets, pages, page_size, col_words)
+        assert native.copy_rows(target_rows, staging, to_staging=False)
     finally:
         torch.set_num_threads(before)
     for target, buffer in zip(targets, buffers, strict=True):

@@ -9,8 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdctl.staging.kernels import page_digests
-from pdctl.staging.kernels.page_write import PeerPages, start_page_write, write_pages_reference
+from pdctl.staging.kernels import KVSlice, page_digests, slice_digests
+from pdctl.staging.kernels.page_write import (
+    PeerPages,
+    start_page_write,
+    start_slice_write,
+    write_pages_reference,
+)
 from tests.staging.kv_factory import as_bits, random_kv, random_pages
 
 CUDA = torch.cuda.is_available()
@@ -42,25 +47,16 @@ def test_page_write_lands_the_reference_bytes_with_their_digests(
     dst_pages = random_pages(12, 6, 8)
     got = _target(layers, 12, page_size, dst_heads, head_dim, dtype, "cpu")
     expected = [b.clone() for b in got]
-    write_pages_reference(
-        k, v, pages, PeerPages(expected, dst_pages, dst_start), head_start=start,
-        num_heads=count, page_size=page_size,
-    )  # fmt: skip
-    pending = start_page_write(
-        k, v, pages, PeerPages(got, dst_pages, dst_start), segments, head_start=start,
-        num_heads=count, page_size=page_size, backend=backend,
-    )  # fmt: skip
-    digests = pending.result()
+    heads = KVSlice(start, count, page_size)
+    write_pages_reference(k, v, pages, PeerPages(expected, dst_pages, dst_start), heads)
+    target = PeerPages(got, dst_pages, dst_start)
+    digests = start_slice_write(k, v, pages, target, segments, heads, backend=backend).result()
     for landed, wanted in zip(got, expected, strict=True):
         assert torch.equal(as_bits(landed), as_bits(wanted))
-    assert digests == page_digests(
-        k, v, pages, segments, head_start=start, num_heads=count, page_size=page_size
-    )
+    assert digests == slice_digests(k, v, pages, segments, heads)
     landed_k, landed_v = got[0::2], got[1::2]  # what the peer computes over its pages
-    assert digests == page_digests(
-        landed_k, landed_v, dst_pages, segments, head_start=dst_start, num_heads=count,
-        page_size=page_size,
-    )  # fmt: skip
+    landed_heads = KVSlice(dst_start, count, page_size)
+    assert digests == slice_digests(landed_k, landed_v, dst_pages, segments, landed_heads)
     untouched = torch.ones(12 * page_size, dtype=torch.bool)
     for page in dst_pages.tolist():
         untouched[page * page_size : (page + 1) * page_size] = False
@@ -72,9 +68,7 @@ def test_page_write_lands_the_reference_bytes_with_their_digests(
 def test_the_reference_really_moves_the_slice() -> None:
     k, v = random_kv(1, 8, 4, 16, torch.float32, 3, "cpu")
     target = _target(1, 8, 1, 2, 16, torch.float32, "cpu")
-    write_pages_reference(
-        k, v, [5], PeerPages(target, [2], 0), head_start=2, num_heads=2, page_size=1
-    )
+    write_pages_reference(k, v, [5], PeerPages(target, [2], 0), KVSlice(2, 2, 1))
     bits = [as_bits(t) for t in target]
     assert torch.equal(bits[0][2], as_bits(k[0])[5, 2:4])
     assert torch.equal(bits[1][2], as_bits(v[0])[5, 2:4])
@@ -98,24 +92,19 @@ def test_a_bad_target_is_refused_before_any_byte_moves(change, message) -> None:
     if change.get("layers") == 2:
         target = target + target  # K and V for two layers: one layer too many
     before = [b.clone() for b in target]
+    peer = PeerPages(target, change.get("dst_pages", [3, 4, 5]), change.get("dst_start", 0))
     with pytest.raises(ValueError, match=message):
-        start_page_write(
-            k, v, [0, 1, 2], PeerPages(target, change.get("dst_pages", [3, 4, 5]),
-            change.get("dst_start", 0)), [(0, 3)], head_start=0, num_heads=2, page_size=1,
-            backend="triton",
-        )  # fmt: skip
+        start_slice_write(k, v, [0, 1, 2], peer, [(0, 3)], KVSlice(0, 2, 1), backend="triton")
     assert all(torch.equal(as_bits(a), as_bits(b)) for a, b in zip(target, before, strict=True))
 
 
 def test_a_changed_bit_changes_its_segment_digest_only() -> None:
     k, v = random_kv(2, 16, 2, 16, torch.bfloat16, 4, "cpu")
     target = _target(2, 16, 4, 2, 16, torch.bfloat16, "cpu")
-    args = dict(head_start=0, num_heads=2, page_size=4, backend="triton")
-    first = start_page_write(k, v, [0, 1], PeerPages(target, [2, 3], 0), [(0, 1), (1, 1)], **args)
-    before = first.result()
+    peer, segments, heads = PeerPages(target, [2, 3], 0), [(0, 1), (1, 1)], KVSlice(0, 2, 4)
+    before = start_slice_write(k, v, [0, 1], peer, segments, heads, backend="triton").result()
     as_bits(v[1])[5, 1, 2] ^= 1  # page 1 (segment 1), layer 1's V
-    again = start_page_write(k, v, [0, 1], PeerPages(target, [2, 3], 0), [(0, 1), (1, 1)], **args)
-    after = again.result()
+    after = start_slice_write(k, v, [0, 1], peer, segments, heads, backend="triton").result()
     assert after[0] == before[0]
     assert after[1][3] != before[1][3] and after[1][:3] == before[1][:3]
 
@@ -128,16 +117,12 @@ def test_page_write_on_the_device_equals_the_host_reference() -> None:
     segments = [(0, 16), (16, 16), (32, 8)]
     host_target = _target(16, 64, 16, 4, 128, torch.bfloat16, "cpu")
     device_target = [b.cuda() for b in host_target]
-    write_pages_reference(
-        k, v, pages, PeerPages(host_target, dst_pages, 0), head_start=4, num_heads=4, page_size=16
-    )
+    heads = KVSlice(4, 4, 16)
+    write_pages_reference(k, v, pages, PeerPages(host_target, dst_pages, 0), heads)
     kc, vc = [t.cuda() for t in k], [t.cuda() for t in v]
-    pending = start_page_write(
-        kc, vc, pages, PeerPages(device_target, dst_pages, 0), segments, head_start=4,
-        num_heads=4, page_size=16,
-    )  # fmt: skip
-    digests = pending.result()
-    assert digests == page_digests(k, v, pages, segments, head_start=4, num_heads=4, page_size=16)
+    target = PeerPages(device_target, dst_pages, 0)
+    digests = start_slice_write(kc, vc, pages, target, segments, heads).result()
+    assert digests == slice_digests(k, v, pages, segments, heads)
     for landed, wanted in zip(device_target, host_target, strict=True):
         assert torch.equal(as_bits(landed.cpu()), as_bits(wanted))
 
@@ -157,13 +142,13 @@ def test_replayed_writes_land_their_own_bytes_and_digests() -> None:
     segments = [(0, 8), (8, 4)]
     replays = WRITES.replays
 
+    heads = KVSlice(2, 4, 16)
+
     def write(seed: int):  # type: ignore[no-untyped-def]
         pages, dst_pages = random_pages(64, 12, seed), random_pages(64, 12, seed + 1000)
-        pending = start_page_write(
-            kc, vc, pages, PeerPages(device_target, dst_pages, 2), segments, head_start=2,
-            num_heads=4, page_size=16,
-        )  # fmt: skip
-        expected = page_digests(k, v, pages, segments, head_start=2, num_heads=4, page_size=16)
+        target = PeerPages(device_target, dst_pages, 2)
+        pending = start_slice_write(kc, vc, pages, target, segments, heads)
+        expected = slice_digests(k, v, pages, segments, heads)
         return pending, expected, pages, dst_pages
 
     for seed in range(8):  # read at once: the bytes of each write are checked
@@ -199,12 +184,11 @@ def test_the_launch_rings_decodes_doorbell_with_the_sums_of_its_digests(segments
         ticket = box.ticket()
         assert ticket is not None
         address = ringer.device_slot(ticket.slot, torch.device(device))
-        pending = start_page_write(
-            k, v, pages, PeerPages(target, dst_pages, 0), segments, head_start=2,
-            num_heads=2, page_size=4, backend="triton",
-            bell=(address if address is not None else ringer.slot_address(ticket.slot),
-                  ticket.seq),
-        )  # fmt: skip
+        if address is None:
+            address = ringer.slot_address(ticket.slot)
+        peer, heads = PeerPages(target, dst_pages, 0), KVSlice(2, 2, 4)
+        bell = (address, ticket.seq)
+        pending = start_slice_write(k, v, pages, peer, segments, heads, backend="triton", bell=bell)
         assert pending.rung
         digests = [d for part in pending.result() for d in part]
         rung = box.wait(ticket, 5.0)
@@ -216,7 +200,7 @@ def test_the_launch_rings_decodes_doorbell_with_the_sums_of_its_digests(segments
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
 def test_writes_of_other_lengths_in_one_bucket_replay_one_graph() -> None:
-    """Writes of 9 to 16 pages share a graph (`_Bucket`): each replay lands its own
+    """Writes of 9 to 16 pages share a graph (`write_slots.Bucket`): each replay lands its own
     pages and digests, the padding never read or written."""
     from pdctl.staging.kernels.page_write import WRITES
 
@@ -228,11 +212,9 @@ def test_writes_of_other_lengths_in_one_bucket_replay_one_graph() -> None:
     for step, count in enumerate([9, 12, 16, 11, 13, 10, 15, 14, 9, 16]):
         pages, dst_pages = random_pages(64, count, step), random_pages(64, count, step + 500)
         segments = [(0, count)] if step % 2 else [(0, 8), (8, count - 8)]  # segments of 8
-        pending = start_page_write(
-            kc, vc, pages, PeerPages(device_target, dst_pages, 2), segments, head_start=2,
-            num_heads=4, page_size=16,
-        )  # fmt: skip
-        expected = page_digests(k, v, pages, segments, head_start=2, num_heads=4, page_size=16)
+        target = PeerPages(device_target, dst_pages, 2)
+        pending = start_slice_write(kc, vc, pages, target, segments, KVSlice(2, 4, 16))
+        expected = slice_digests(k, v, pages, segments, KVSlice(2, 4, 16))
         assert pending.result() == expected, (step, count)
         rows = torch.cat([torch.arange(p * 16, (p + 1) * 16) for p in dst_pages.tolist()])
         src_rows = torch.cat([torch.arange(p * 16, (p + 1) * 16) for p in pages.tolist()])
@@ -241,3 +223,21 @@ def test_writes_of_other_lengths_in_one_bucket_replay_one_graph() -> None:
             assert torch.equal(as_bits(landed.cpu()[rows, 2:6]), as_bits(source[src_rows, 2:6]))
     assert WRITES.captures - captures <= 2  # one bucket per segment count
     assert WRITES.replays - replays >= 4
+
+
+def test_the_keyword_forms_are_the_slice_forms() -> None:
+    """`start_page_write` and `page_digests` (the forms callers outside staging use) give
+    what `start_slice_write` and `slice_digests` give for the same slice."""
+    k, v = random_kv(2, 16, 4, 16, torch.bfloat16, 6, "cpu")
+    by_slice, by_keywords = (_target(2, 16, 4, 2, 16, torch.bfloat16, "cpu") for _ in range(2))
+    segments, heads = [(0, 1), (1, 2)], KVSlice(1, 2, 4)
+    pages, peer_pages = [0, 1, 3], [2, 3, 0]
+    expected = start_slice_write(k, v, pages, PeerPages(by_slice, peer_pages, 0), segments, heads)
+    peer = PeerPages(by_keywords, peer_pages, 0)
+    got = start_page_write(k, v, pages, peer, segments, head_start=1, num_heads=2, page_size=4)
+    assert got.result() == expected.result()
+    assert all(
+        torch.equal(as_bits(a), as_bits(b)) for a, b in zip(by_slice, by_keywords, strict=True)
+    )
+    by_keyword = page_digests(k, v, pages, segments, head_start=1, num_heads=2, page_size=4)
+    assert by_keyword == slice_digests(k, v, pages, segments, heads)

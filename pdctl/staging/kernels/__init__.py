@@ -1,11 +1,15 @@
 """Checked gather/scatter between paged KV buffers and staging, on any device.
 
-`gather_all_layers_to_staging` copies one head slice of every layer (K and V) for
-a list of pages into a contiguous staging block; `scatter_staging_to_kv` copies a
-block (or a region with several writers' blocks) back into KV pages. The device
-comes from the KV buffers; staging on another device is an error. Arguments are
-validated here, then a backend (`triton` on CUDA and XPU, `torch` elsewhere) does
-the copy on integer views, so results are bit-identical across backends.
+`gather_slice` copies one slice of every layer (K and V: a `KVSlice`, its heads in
+pages of `page_size` tokens) for a list of pages into a contiguous staging block;
+`scatter_slice` copies a block back into KV pages, `scatter_staging_to_kv` also a
+region with several writers' blocks. The device comes from the KV buffers; staging
+on another device is an error. Arguments are validated here, then a backend
+(`triton` on CUDA and XPU, `torch` elsewhere) does the copy on integer views, so
+results are bit-identical across backends. `slice_digests` digests a slice where it
+lies in the pages. `gather_all_layers_to_staging`, `page_digests` and
+`start_page_digests` take the slice as keywords (the form callers outside staging
+use).
 
 Shapes:
     k_buffers[l], v_buffers[l]   [pool_tokens, num_kv_heads, head_dim], one per layer
@@ -17,19 +21,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from pdctl.staging import device as dev
-from pdctl.staging.digest import block_digests, digests_of_sums
+from pdctl.staging.digest import block_digests
 from pdctl.staging.kernels import captured
-from pdctl.staging.kernels.base import get_backend
+from pdctl.staging.kernels.base import KVColumns, get_backend
 from pdctl.staging.kernels.captured import CapturedCalls
 from pdctl.staging.kernels.checks import check_heads, check_segments
-from pdctl.staging.kernels.digest_tables import ALIGNED, DIGEST_TABLES
+from pdctl.staging.kernels.digest_tables import page_rows
 from pdctl.staging.kernels.dispatch import backend_for
 from pdctl.staging.kernels.kvset import WORD_DTYPES, KVInfo, KVSet, describe_kv, prepare_kv
 from pdctl.staging.kernels.pages import (
@@ -39,7 +41,8 @@ from pdctl.staging.kernels.pages import (
     upload_pages,
     usual_ids,
 )
-from pdctl.staging.layout import HeadSlice
+from pdctl.staging.kernels.pending import PendingDigests
+from pdctl.staging.layout import HeadSlice, KVSlice
 
 
 def _word_bytes(kvset: KVSet, block: torch.Tensor) -> int:
@@ -69,6 +72,26 @@ def _staging_words(
     return flat[:nbytes].view(WORD_DTYPES[word]).view(shape)
 
 
+def gather_slice(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: PageIndices,
+    staging: torch.Tensor,
+    kv_slice: KVSlice,
+    backend: str | None = None,
+) -> int:
+    """Gather the slice's heads of every layer's K and V into `staging`; returns bytes.
+
+    On CUDA a call that comes back the same is replayed from a graph (`captured`)."""
+    page_size = kv_slice.page_size
+
+    def eager(pages: PageIndices) -> int:
+        return _gather(k_buffers, v_buffers, pages, staging, kv_slice, backend)
+
+    params = ("gather", kv_slice.head_start, kv_slice.num_heads, backend)
+    return _replayed(params, k_buffers, v_buffers, staging, page_indices, page_size, eager)
+
+
 def gather_all_layers_to_staging(
     k_buffers: Sequence[torch.Tensor],
     v_buffers: Sequence[torch.Tensor],
@@ -80,17 +103,10 @@ def gather_all_layers_to_staging(
     page_size: int,
     backend: str | None = None,
 ) -> int:
-    """Gather heads [src_head_start, +num_heads) of every layer's K and V; returns bytes.
-
-    On CUDA a call that comes back the same is replayed from a graph (`captured`)."""
-
-    heads = (src_head_start, num_heads)
-
-    def eager(pages: PageIndices) -> int:
-        return _gather(k_buffers, v_buffers, pages, staging, heads, page_size, backend)
-
-    params = ("gather", *heads, backend)
-    return _replayed(params, k_buffers, v_buffers, staging, page_indices, page_size, eager)
+    """`gather_slice` with the slice given by keywords (the form callers outside staging
+    use): heads [src_head_start, +num_heads) in pages of `page_size` tokens."""
+    kv_slice = KVSlice(src_head_start, num_heads, page_size)
+    return gather_slice(k_buffers, v_buffers, page_indices, staging, kv_slice, backend)
 
 
 def _gather(
@@ -98,25 +114,46 @@ def _gather(
     v_buffers: Sequence[torch.Tensor],
     page_indices: PageIndices,
     staging: torch.Tensor,
-    heads: tuple[int, int],  # (first source head, how many)
-    page_size: int,
+    kv_slice: KVSlice,
     backend: str | None,
 ) -> int:
-    src_head_start, num_heads = heads
     kvset = prepare_kv(k_buffers, v_buffers)
     info = kvset.info
-    check_heads(src_head_start, num_heads, info, "source")
+    check_heads(kv_slice, info, "source")
     name = backend_for(info, backend)
-    pages = upload_pages(page_indices, page_size, info)
-    num_tokens = pages.numel() * page_size
+    pages = upload_pages(page_indices, kv_slice.page_size, info)
+    num_tokens = pages.numel() * kv_slice.page_size
     flat = _flat_bytes(staging, info)
     word = _word_bytes(kvset, flat)
-    head_words = info.head_dim * info.elem_bytes // word
-    shape = (2 * info.num_layers, num_tokens, num_heads * head_words)
+    col_start, num_cols = info.columns(kv_slice, word)
+    shape = (2 * info.num_layers, num_tokens, num_cols)
     nbytes = shape[0] * shape[1] * shape[2] * word
     out = _staging_words(flat, nbytes, word, shape)
-    get_backend(name).gather(kvset.views(word), pages, page_size, out, src_head_start * head_words)
+    rows = KVColumns(kvset.views(word), pages, kv_slice.page_size, col_start)
+    get_backend(name).gather(rows, out)
     return nbytes
+
+
+def scatter_slice(
+    staging: torch.Tensor,
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: PageIndices,
+    kv_slice: KVSlice,
+    backend: str | None = None,
+) -> int:
+    """Scatter one block of `staging` into the slice's heads of every layer's K and V;
+    returns the bytes consumed. On CUDA a call that comes back the same is replayed
+    from a graph (`captured`)."""
+    page_size = kv_slice.page_size
+
+    def eager(pages: PageIndices) -> int:
+        block = HeadSlice(0, 0, kv_slice.head_start, kv_slice.num_heads)  # made here: a
+        # replay needs none, and each object costs a microsecond of a slow host's replay
+        return _scatter(staging, k_buffers, v_buffers, pages, page_size, (block,), backend)
+
+    params = ("scatter", kv_slice.head_start, kv_slice.num_heads, backend)  # ints hash at C speed
+    return _replayed(params, k_buffers, v_buffers, staging, page_indices, page_size, eager)
 
 
 def scatter_staging_to_kv(
@@ -131,30 +168,26 @@ def scatter_staging_to_kv(
     writers: Sequence[HeadSlice] | None = None,
     backend: str | None = None,
 ) -> int:
-    """Scatter one block (dst_head_start, num_heads) or a region of several writers' blocks.
+    """Scatter one block (dst_head_start, num_heads: `scatter_slice`) or a region of
+    several writers' blocks.
 
     With `writers`, the region holds one block per writer in order (see `layout`),
     each scattered into its own destination heads. Returns the bytes consumed. On
     CUDA a call that comes back the same is replayed from a graph (`captured`).
     """
-    params: tuple[Any, ...]
-    pieces: tuple[HeadSlice, ...] | None = None  # one block's: made by the eager call (a
-    # replay needs none, and each object costs a microsecond of a slow host's replay)
     if writers is None:
         if dst_head_start is None or num_heads is None:
             raise ValueError("give dst_head_start and num_heads, or writers")
-        params = ("scatter", dst_head_start, num_heads, backend)  # ints hash at C speed
-        block = (dst_head_start, num_heads)
-    elif dst_head_start is not None or num_heads is not None:
+        kv_slice = KVSlice(dst_head_start, num_heads, page_size)
+        return scatter_slice(staging, k_buffers, v_buffers, page_indices, kv_slice, backend)
+    if dst_head_start is not None or num_heads is not None:
         raise ValueError("give either writers or dst_head_start/num_heads, not both")
-    else:
-        pieces = tuple(writers)
-        params = ("scatter", pieces, backend)
+    pieces = tuple(writers)
 
     def eager(pages: PageIndices) -> int:
-        blocks = pieces if pieces is not None else (HeadSlice(0, 0, *block),)
-        return _scatter(staging, k_buffers, v_buffers, pages, page_size, blocks, backend)
+        return _scatter(staging, k_buffers, v_buffers, pages, page_size, pieces, backend)
 
+    params = ("scatter", pieces, backend)
     return _replayed(params, k_buffers, v_buffers, staging, page_indices, page_size, eager)
 
 
@@ -175,17 +208,15 @@ def _scatter(
     flat = _flat_bytes(staging, info)
     offset = 0
     for piece in writers:
-        check_heads(piece.dst_head_start, piece.num_heads, info, "destination")
+        kv_slice = piece.destination(page_size)
+        check_heads(kv_slice, info, "destination")
         block = flat[offset:]
         word = _word_bytes(kvset, block)
-        head_words = info.head_dim * info.elem_bytes // word
-        shape = (2 * info.num_layers, num_tokens, piece.num_heads * head_words)
+        col_start, num_cols = info.columns(kv_slice, word)
+        shape = (2 * info.num_layers, num_tokens, num_cols)
         nbytes = shape[0] * shape[1] * shape[2] * word
         source = _staging_words(block, nbytes, word, shape)
-        buffers = kvset.views(word)
-        get_backend(name).scatter(
-            source, buffers, pages, page_size, piece.dst_head_start * head_words
-        )
+        get_backend(name).scatter(source, KVColumns(kvset.views(word), pages, page_size, col_start))
         offset += nbytes
     return offset
 
@@ -222,59 +253,34 @@ def _replayed(
     memory = (staging.data_ptr(), staging.numel(), staging.is_contiguous(), staging.dtype)
     count = usual[1] if usual is not None else len(page_indices)
     key = (*params, id(k_buffers), id(v_buffers), *memory, count, page_size)
+    named = (k_buffers, v_buffers)
     if usual is not None:
-        value = CAPTURED.replay_usual(key, (k_buffers, v_buffers), usual[0], usual[2])
+        value = CAPTURED.replay_usual(key, named, usual[0], usual[2])
         if value is not captured.MISSED:
             return value
-    return CAPTURED.arm(
-        key,
-        (k_buffers, v_buffers),
-        staging.device,
-        lambda into: host_ids(k_buffers, v_buffers, page_indices, page_size, into),
-        eager,
-        page_indices,
-    )()
+
+    def checked(into: torch.Tensor | None) -> torch.Tensor:
+        return host_ids(k_buffers, v_buffers, page_indices, page_size, into)
+
+    return CAPTURED.arm(key, named, staging.device, checked, eager, page_indices)()
 
 
 _DIGEST_SCRATCH = threading.local()  # per thread: scratch for digests gathered first
 
 
-@dataclass
-class PendingDigests:
-    """Page digests under way on the device (`start_page_digests`); `result()` waits."""
-
-    sums: torch.Tensor | None  # [segments * buffers] int64 weighted sums, on the device
-    words: list[int]  # per segment: words per chunk
-    num_buffers: int
-    ready: list[list[int]] | None = None
-    host: torch.Tensor | None = None  # the sums in pinned host memory (`stage_to_host`)
-    copied: Any = None  # a device event recorded after the copy to `host`
-    rung: bool = False  # the launch also rang a doorbell with the sums (`kernels.bell`)
-
-    def stage_to_host(self) -> None:
-        """Queue the sums' copy to pinned host memory behind the kernel (CUDA only), so
-        that `result()` after the stream passed it reads host memory, not the device."""
-        if self.sums is None or self.host is not None or self.sums.device.type != "cuda":
-            return
-        self.host = torch.empty(self.sums.shape, dtype=self.sums.dtype, pin_memory=True)
-        self.host.copy_(self.sums, non_blocking=True)
-        self.copied = dev.create_device_event(self.sums.device)
-        self.copied.record(dev.current_device_stream(self.sums.device))
-
-    def result(self) -> list[list[int]]:
-        """Per segment, the digests [L0.K, L0.V, L1.K, ...] (one host synchronisation)."""
-        if self.ready is None:
-            assert self.sums is not None
-            if self.host is not None and self.copied is not None:
-                self.copied.synchronize()
-                sums = self.host.numpy()
-            else:
-                sums = self.sums.cpu().numpy()
-            width = self.num_buffers
-            lengths = np.repeat(np.asarray(self.words, dtype=np.uint64), width)
-            flat = digests_of_sums(sums[: len(lengths)], lengths)
-            self.ready = [flat[i * width : (i + 1) * width] for i in range(len(self.words))]
-        return self.ready
+def slice_digests(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: PageIndices,
+    segments: Sequence[tuple[int, int]],
+    kv_slice: KVSlice,
+    backend: str | None = None,
+) -> list[list[int]]:
+    """For each segment (page_start, num_pages) of the page list, the digests that
+    `block_digests` gives of its gathered slice, [L0.K, L0.V, L1.K, ...]."""
+    return start_slice_digests(
+        k_buffers, v_buffers, page_indices, segments, kv_slice, backend
+    ).result()
 
 
 def page_digests(
@@ -288,18 +294,49 @@ def page_digests(
     page_size: int,
     backend: str | None = None,
 ) -> list[list[int]]:
-    """For each segment (page_start, num_pages) of the page list, the digests that
-    `block_digests` gives of its gathered head slice, [L0.K, L0.V, L1.K, ...]."""
-    return start_page_digests(
-        k_buffers,
-        v_buffers,
-        page_indices,
-        segments,
-        head_start=head_start,
-        num_heads=num_heads,
-        page_size=page_size,
-        backend=backend,
-    ).result()
+    """`slice_digests` with the slice given by keywords (the form callers outside
+    staging use): heads [head_start, +num_heads) in pages of `page_size` tokens."""
+    kv_slice = KVSlice(head_start, num_heads, page_size)
+    return slice_digests(k_buffers, v_buffers, page_indices, segments, kv_slice, backend)
+
+
+def start_slice_digests(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor],
+    page_indices: PageIndices,
+    segments: Sequence[tuple[int, int]],
+    kv_slice: KVSlice,
+    backend: str | None = None,
+) -> PendingDigests:
+    """`slice_digests`, started: with Triton, read in place from the pages in one launch
+    on the current stream (nothing gathered; the page ids and segments go up in one
+    copy) and waited for by `result()`, so other work can be issued meanwhile;
+    elsewhere, each segment gathered into scratch memory and digested at once. The
+    values are the same either way."""
+    kvset = prepare_kv(k_buffers, v_buffers)
+    info = kvset.info
+    check_heads(kv_slice, info, "source")
+    name = backend_for(info, backend)
+    page_size = kv_slice.page_size
+    pages = checked_pages(page_indices, page_size, info)
+    check_segments(segments, pages.numel())
+    if name == "triton" and kvset.max_word >= 4 and info.head_bytes % 4 == 0 and segments:
+        from pdctl.staging.kernels.digests import launch_page_digest_sums
+
+        views = kvset.views(4)
+        col_start, num_cols = info.columns(kv_slice, 4)
+        rows = page_rows(views, pages, col_start)
+        sums = launch_page_digest_sums(rows, list(segments), page_size, num_cols)
+        words = [count * page_size * num_cols for _, count in segments]
+        return PendingDigests(sums, words, len(views))
+    pages = pages.to(device=info.device, dtype=torch.int64, non_blocking=True)
+    digests = []
+    for start, count in segments:  # each gathered into scratch memory, then digested
+        nbytes = 2 * info.num_layers * count * page_size * kv_slice.num_heads * info.head_bytes
+        scratch = _digest_scratch(info.device, nbytes)
+        gather_slice(k_buffers, v_buffers, pages[start : start + count], scratch, kv_slice, name)
+        digests.append(block_digests(scratch, info.num_layers, backend=name))
+    return PendingDigests(None, [], 2 * info.num_layers, ready=digests)
 
 
 def start_page_digests(
@@ -313,52 +350,10 @@ def start_page_digests(
     page_size: int,
     backend: str | None = None,
 ) -> PendingDigests:
-    """`page_digests`, started: with Triton, read in place from the pages in one launch
-    on the current stream (nothing gathered; the page ids and segments go up in one
-    copy) and waited for by `result()`, so other work can be issued meanwhile;
-    elsewhere, each segment gathered into scratch memory and digested at once. The
-    values are the same either way."""
-    kvset = prepare_kv(k_buffers, v_buffers)
-    info = kvset.info
-    check_heads(head_start, num_heads, info, "source")
-    name = backend_for(info, backend)
-    pages = checked_pages(page_indices, page_size, info)
-    check_segments(segments, pages.numel())
-    head_bytes = info.head_dim * info.elem_bytes
-    if name == "triton" and kvset.max_word >= 4 and head_bytes % 4 == 0 and segments:
-        from pdctl.staging.kernels.digests import PageRows, launch_page_digest_sums
-
-        views = kvset.views(4)
-        num_cols = num_heads * head_bytes // 4
-        rows = PageRows(
-            DIGEST_TABLES.get(views),
-            pages,
-            views[0].shape[1],
-            head_start * head_bytes // 4,
-            ALIGNED.get(views),
-        )
-        sums = launch_page_digest_sums(
-            rows, list(segments), num_buffers=len(views), page_size=page_size, num_cols=num_cols
-        )
-        words = [count * page_size * num_cols for _, count in segments]
-        return PendingDigests(sums, words, len(views))
-    pages = pages.to(device=info.device, dtype=torch.int64, non_blocking=True)
-    digests = []
-    for start, count in segments:  # each gathered into scratch memory, then digested
-        nbytes = 2 * info.num_layers * count * page_size * num_heads * head_bytes
-        scratch = _digest_scratch(info.device, nbytes)
-        gather_all_layers_to_staging(
-            k_buffers,
-            v_buffers,
-            pages[start : start + count],
-            scratch,
-            src_head_start=head_start,
-            num_heads=num_heads,
-            page_size=page_size,
-            backend=name,
-        )
-        digests.append(block_digests(scratch, info.num_layers, backend=name))
-    return PendingDigests(None, [], 2 * info.num_layers, ready=digests)
+    """`start_slice_digests` with the slice given by keywords (the form callers outside
+    staging use): heads [head_start, +num_heads) in pages of `page_size` tokens."""
+    kv_slice = KVSlice(head_start, num_heads, page_size)
+    return start_slice_digests(k_buffers, v_buffers, page_indices, segments, kv_slice, backend)
 
 
 def _digest_scratch(device: torch.device, nbytes: int) -> torch.Tensor:
@@ -376,14 +371,19 @@ def _digest_scratch(device: torch.device, nbytes: int) -> torch.Tensor:
 __all__ = [
     "KVInfo",
     "KVSet",
+    "KVSlice",
     "PageIndices",
     "PendingDigests",
     "checked_pages",
     "describe_kv",
     "gather_all_layers_to_staging",
+    "gather_slice",
     "page_digests",
     "prepare_kv",
+    "scatter_slice",
     "scatter_staging_to_kv",
+    "slice_digests",
     "start_page_digests",
+    "start_slice_digests",
     "upload_pages",
 ]

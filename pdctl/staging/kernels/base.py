@@ -2,7 +2,7 @@
 
 A backend copies column ranges of KV rows between a set of 2-D buffers and a
 contiguous staging tensor. The checked wrappers in `kernels/__init__.py` validate
-every argument and hand backends normalised views only:
+every argument and hand backends normalised views only, the KV side as `KVColumns`:
 
     buffers[i]   [pool_tokens, row_words]   integer view of one layer's K or V
     staging      [num_buffers, num_tokens, num_cols]   contiguous, same dtype
@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
 import torch
@@ -83,29 +84,26 @@ class BufferCache(Generic[T]):
         return value
 
 
+@dataclass(frozen=True)
+class KVColumns:
+    """The KV side of a backend's copy: in every buffer, the token rows of `pages`, from
+    word `col_start` on (as many words as the staging tensor's last dimension)."""
+
+    buffers: Sequence[torch.Tensor]  # [pool_tokens, row_words] integer views, staging order
+    pages: torch.Tensor  # [num_pages] int64 on the buffers' device
+    page_size: int
+    col_start: int
+
+
 class KernelBackend(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def gather(
-        self,
-        buffers: Sequence[torch.Tensor],
-        pages: torch.Tensor,
-        page_size: int,
-        staging: torch.Tensor,
-        col_start: int,
-    ) -> None:
+    def gather(self, kv: KVColumns, staging: torch.Tensor) -> None:
         """staging[i, t, :] = buffers[i][row(t), col_start : col_start + num_cols]."""
 
     @abstractmethod
-    def scatter(
-        self,
-        staging: torch.Tensor,
-        buffers: Sequence[torch.Tensor],
-        pages: torch.Tensor,
-        page_size: int,
-        col_start: int,
-    ) -> None:
+    def scatter(self, staging: torch.Tensor, kv: KVColumns) -> None:
         """buffers[i][row(t), col_start : col_start + num_cols] = staging[i, t, :]."""
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdctl.staging.kernels.kvset import KVInfo
+from pdctl.staging.layout import KVSlice
 
 
-def check_heads(start: int, count: int, info: KVInfo, what: str) -> None:
-    """Heads [start, start + count) inside the KV set's heads (`what` names the side)."""
-    if count < 1 or start < 0 or start + count > info.num_heads:
-        raise ValueError(
-            f"{what} heads [{start}, {start + count}) are outside the {info.num_heads} KV heads"
-        )
+def check_heads(kv_slice: KVSlice, info: KVInfo, what: str) -> None:
+    """The slice's heads inside the KV set's heads (`what` names the side)."""
+    start, end = kv_slice.head_start, kv_slice.head_start + kv_slice.num_heads
+    if kv_slice.num_heads < 1 or start < 0 or end > info.num_heads:
+        raise ValueError(f"{what} heads [{start}, {end}) are outside the {info.num_heads} KV heads")
 
 
 def check_segments(segments: Sequence[tuple[int, int]], num_pages: int) -> None:

@@ -14,7 +14,6 @@ do not depend on their order, so the values are bit-identical to the torch path
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,6 +22,7 @@ import triton
 import triton.language as tl
 
 from pdctl.staging import device as dev
+from pdctl.staging.kernels.digest_tables import PageRows
 from pdctl.staging.kernels.launch import DirectLauncher
 
 BLOCK = 4096  # words per program
@@ -54,17 +54,10 @@ def digest_sums(words: torch.Tensor) -> list[int]:
     return sums
 
 
-@triton.jit(
-    do_not_specialize=[
-        "num_buffers",
-        "page_size",
-        "row_words",
-        "col_start",
-        "dst_row_words",
-        "dst_col_start",
-        "blocks",
-    ]
-)
+_ROW_INTS = ["row_words", "col_start", "dst_row_words", "dst_col_start"]  # source's, target's
+
+
+@triton.jit(do_not_specialize=["num_buffers", "page_size", *_ROW_INTS, "blocks"])
 def _page_digest_kernel(  # type: ignore[no-untyped-def]
     table_ptr,
     pages_ptr,
@@ -125,36 +118,19 @@ _PAGE_DIGESTS = DirectLauncher(
 )
 
 
-@dataclass(frozen=True)
-class PageRows:
-    """Where the words of a page launch lie: per buffer (staging order) its base
-    address in a [N] int64 table on the device, every token row `row_words` int32
-    words, the slice's first word `col_start`; `pages` the host page ids."""
-
-    table: torch.Tensor
-    pages: np.ndarray | torch.Tensor  # host ids, or ids already on the device
-    row_words: int
-    col_start: int
-    aligned: bool = False  # every base address in the table is 16-byte aligned
-
-    def vec(self) -> int:
-        """4 where every row and the slice start at 16 bytes, else 1."""
-        return 4 if self.aligned and self.row_words % 4 == 0 and self.col_start % 4 == 0 else 1
-
-
 def launch_page_digest_sums(
     source: PageRows,
     segments: list[tuple[int, int]],
-    *,
-    num_buffers: int,
     page_size: int,
     num_cols: int,
+    *,
     target: PageRows | None = None,
     described: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per segment (page_start, num_pages), each buffer's weighted sum over the int32
-    words of columns [col_start, +num_cols) of the segment's token rows, as a
-    [segments * buffers] int64 tensor on the device, enqueued on the current stream.
+    words of columns [col_start, +num_cols) of the segment's token rows (pages of
+    `page_size` tokens), as a [segments * buffers] int64 tensor on the device, enqueued
+    on the current stream.
     With a target, the same words are stored into the target's rows (its pages pair
     with the source's one for one) by the same launch.
 
@@ -170,12 +146,11 @@ def launch_page_digest_sums(
     blocks = -(-longest // block_t)
     target_pages = None if target is None else target.pages
     if described is None:
-        described, pages, dst_pages = _upload(
-            device,
-            [segment_table(segments, page_size), source.pages, target_pages],
-        )
+        tables = [segment_table(segments, page_size), source.pages, target_pages]
+        described, pages, dst_pages = _upload(device, tables)
     else:
         pages, dst_pages = source.pages, target_pages
+    num_buffers = source.num_buffers
     slots = len(segments) * num_buffers
     partial = torch.empty(slots, blocks, dtype=torch.int64, device=device)  # every one written
     if target is None:
@@ -183,15 +158,8 @@ def launch_page_digest_sums(
     else:
         dst_table, dst_row_words, dst_col_start = target.table, target.row_words, target.col_start
     pointers = (source.table, pages, dst_table, dst_pages, described, partial)
-    ints = (
-        num_buffers,
-        page_size,
-        source.row_words,
-        source.col_start,
-        dst_row_words,
-        dst_col_start,
-        blocks,
-    )
+    rows = (source.row_words, source.col_start, dst_row_words, dst_col_start)  # as _ROW_INTS
+    ints = (num_buffers, page_size, *rows, blocks)
     vec = min(source.vec(), 4 if target is None else target.vec())
     vec = vec if num_cols % vec == 0 else 1
     constexprs = (num_cols, block_t, block_c, target is not None, vec)

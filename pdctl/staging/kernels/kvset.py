@@ -17,6 +17,8 @@ from functools import cached_property
 
 import torch
 
+from pdctl.staging.layout import KVSlice
+
 WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 MAX_CACHED = 16
 
@@ -29,6 +31,16 @@ class KVInfo:
     num_heads: int
     head_dim: int
     elem_bytes: int
+
+    @property
+    def head_bytes(self) -> int:
+        """One head of one token row, in bytes."""
+        return self.head_dim * self.elem_bytes
+
+    def columns(self, kv_slice: KVSlice, word: int) -> tuple[int, int]:
+        """(first word, words) of the slice's heads in a token row of `word`-byte words."""
+        head_words = self.head_bytes // word
+        return kv_slice.head_start * head_words, kv_slice.num_heads * head_words
 
 
 def describe_kv(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor]) -> KVInfo:
@@ -70,7 +82,7 @@ class KVSet:
     @cached_property
     def max_word(self) -> int:
         """The widest word dividing the head size and every buffer's byte offset."""
-        head_bytes = self.info.head_dim * self.info.elem_bytes
+        head_bytes = self.info.head_bytes
         offsets = [int(b.storage_offset()) * b.element_size() for b in self.buffers]
         for size in (8, 4, 2):
             if head_bytes % size == 0 and all(offset % size == 0 for offset in offsets):

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdctl.staging.kernels.base import KVColumns
 from pdctl.staging.settings import process_settings
 
 SOURCE = Path(__file__).with_name("native_rows.c")
@@ -201,14 +202,7 @@ def _table(addresses: tuple[int, ...]) -> np.ndarray:
     return np.asarray(addresses, dtype=np.int64)
 
 
-def copy_rows(
-    buffers: Sequence[torch.Tensor],
-    pages: torch.Tensor,
-    page_size: int,
-    staging: torch.Tensor,
-    col_start: int,
-    to_staging: bool,
-) -> bool:
+def copy_rows(kv: KVColumns, staging: torch.Tensor, to_staging: bool) -> bool:
     """The backend contract's gather (to_staging) or scatter on CPU tensors, in C.
 
     Returns False, having done nothing, where the C copy is not available or the
@@ -216,6 +210,7 @@ def copy_rows(
     function, _ = _function()
     if function is None or staging.device.type != "cpu" or not staging.is_contiguous():
         return False
+    buffers, pages, page_size, col_start = kv.buffers, kv.pages, kv.page_size, kv.col_start
     num_buffers, num_tokens, num_cols = staging.shape
     first = buffers[0]
     pool_tokens, row_words = first.shape
@@ -236,17 +231,9 @@ def copy_rows(
     table = _table(tuple(b.data_ptr() for b in buffers))
     nbytes = staging.numel() * word
     threads = max(1, min(torch.get_num_threads(), nbytes // THREAD_BYTES))
-    function(
-        table.ctypes.data,
-        pages.data_ptr(),
-        staging.data_ptr(),
-        num_buffers,
-        num_tokens,
-        page_size,
-        row_words * word,
-        col_start * word,
-        num_cols * word,
-        int(to_staging),
-        threads,
-    )
+    addresses = (table.ctypes.data, pages.data_ptr(), staging.data_ptr())
+    counts = (num_buffers, num_tokens, page_size)
+    # in bytes: a buffer's row, the slice's start in it, the slice's length
+    row_bytes = (row_words * word, col_start * word, num_cols * word)
+    function(*addresses, *counts, *row_bytes, int(to_staging), threads)
     return True

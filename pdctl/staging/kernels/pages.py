@@ -3,7 +3,8 @@ reads them, and moved where the kernel wants them.
 
 Every host page list passes `check_host_pages` (one pass in C where `native` is
 built); `upload_pages` is the eager paths' way to the device, `host_ids` a graph
-replay's (the ids written into the replay's pinned slot in the check's pass).
+replay's (the ids written into the replay's pinned slot in the check's pass),
+`page_array` the mapped write's (int64 numpy, which it uploads with its tables).
 Ids already on the device are taken as they are: checking them would need a
 device synchronize.
 """
@@ -101,6 +102,26 @@ def check_host_pages(
     if not unique:
         values, counts = np.unique(pages, return_counts=True)
         raise ValueError(f"page index {int(values[counts > 1][0])} appears more than once")
+
+
+def page_array(pages: PageIndices, num_pages: int) -> np.ndarray | torch.Tensor:
+    """Host page ids as int64 numpy, range- and duplicate-checked against `num_pages`;
+    ids already on a device as they are (checking them would wait for the device)."""
+    if isinstance(pages, torch.Tensor):
+        if pages.dim() != 1 or pages.dtype.is_floating_point or pages.dtype == torch.bool:
+            raise ValueError(
+                f"page ids must be a 1-D integer sequence, got {pages.dtype} {tuple(pages.shape)}"
+            )
+        if pages.device.type != "cpu":
+            return pages
+        ids = pages.numpy().astype(np.int64, copy=False)
+    else:
+        ids = np.asarray(pages, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ValueError(f"page ids must be a 1-D integer sequence, got shape {ids.shape}")
+    if len(ids):
+        check_host_pages(ids, num_pages)
+    return ids
 
 
 def _raise_outside(pages: np.ndarray, num_pages: int) -> NoReturn:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from pdctl.staging.kernels import native
-from pdctl.staging.kernels.base import BufferCache, KernelBackend
+from pdctl.staging.kernels.base import BufferCache, KernelBackend, KVColumns
 
 
 def token_rows(pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -70,11 +70,7 @@ _SHARED_VIEWS: BufferCache[tuple[torch.Tensor, int] | None] = BufferCache(_share
 
 
 def _plan(
-    buffers: Sequence[torch.Tensor],
-    staging: torch.Tensor,
-    pages: torch.Tensor,
-    page_size: int,
-    col_start: int,
+    kv: KVColumns, staging: torch.Tensor
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """2-D views, the index into them, and staging reshaped to match.
 
@@ -85,6 +81,7 @@ def _plan(
     When the buffers share one storage (see `_shared_view`), all of them are served
     by a single view and index.
     """
+    buffers, pages, page_size, col_start = kv.buffers, kv.pages, kv.page_size, kv.col_start
     num_buffers, _, num_cols = staging.shape
     row_words = buffers[0].shape[1]
     shared = _SHARED_VIEWS.get(buffers)
@@ -183,36 +180,18 @@ def _scatter_cpu(view: torch.Tensor, index: torch.Tensor, source: torch.Tensor) 
 class TorchKernels(KernelBackend):
     name = "torch"
 
-    def gather(
-        self,
-        buffers: Sequence[torch.Tensor],
-        pages: torch.Tensor,
-        page_size: int,
-        staging: torch.Tensor,
-        col_start: int,
-    ) -> None:
-        if staging.device.type == "cpu" and native.copy_rows(
-            buffers, pages, page_size, staging, col_start, to_staging=True
-        ):
+    def gather(self, kv: KVColumns, staging: torch.Tensor) -> None:
+        if staging.device.type == "cpu" and native.copy_rows(kv, staging, to_staging=True):
             return
-        views, index, out = _plan(buffers, staging, pages, page_size, col_start)
+        views, index, out = _plan(kv, staging)
         for i, view in enumerate(views):
             wide_view, wide_out = _as_words(view, out[i])
             torch.index_select(wide_view, 0, index, out=wide_out)
 
-    def scatter(
-        self,
-        staging: torch.Tensor,
-        buffers: Sequence[torch.Tensor],
-        pages: torch.Tensor,
-        page_size: int,
-        col_start: int,
-    ) -> None:
-        if staging.device.type == "cpu" and native.copy_rows(
-            buffers, pages, page_size, staging, col_start, to_staging=False
-        ):
+    def scatter(self, staging: torch.Tensor, kv: KVColumns) -> None:
+        if staging.device.type == "cpu" and native.copy_rows(kv, staging, to_staging=False):
             return
-        views, index, source = _plan(buffers, staging, pages, page_size, col_start)
+        views, index, source = _plan(kv, staging)
         for i, view in enumerate(views):
             rows = source[i]
             chunk = rows.shape[-1] * rows.element_size()

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from pdctl.staging import device as dev
 from pdctl.staging.descriptors import pointer_table
-from pdctl.staging.kernels.base import BufferCache, KernelBackend
+from pdctl.staging.kernels.base import BufferCache, KernelBackend, KVColumns
 from pdctl.staging.kernels.launch import DirectLauncher, current_device
 
 # The best configuration measured on an H200 (16 KiB tiles, 8 warps, no walks:
@@ -191,51 +191,30 @@ class TritonKernels(KernelBackend):
         self._tables: BufferCache[tuple[torch.Tensor, bool, int]] = BufferCache(_table)
         self._launch_kernel = DirectLauncher(_copy_rows_kernel, CONSTEXPRS)
 
-    def _launch(
-        self,
-        staging: torch.Tensor,
-        buffers: Sequence[torch.Tensor],
-        pages: torch.Tensor,
-        page_size: int,
-        col_start: int,
-        to_staging: bool,
-    ) -> None:
+    def _launch(self, staging: torch.Tensor, kv: KVColumns, to_staging: bool) -> None:
         num_buffers, num_tokens, num_cols = staging.shape
         if num_tokens == 0:
             return
         word = staging.element_size()
-        row_words = buffers[0].shape[1]
-        table, aligned, num_sms = self._tables.get(buffers)
+        row_words = kv.buffers[0].shape[1]
+        table, aligned, num_sms = self._tables.get(kv.buffers)
         block_t, block_c, block_b, num_steps, buffer_programs, warps = tile(
             num_cols, word, num_tokens, num_buffers, num_sms
         )
         grid = (triton.cdiv(num_tokens, block_t), buffer_programs, 1)
-        ints = (num_tokens, num_buffers, num_steps, page_size, row_words, col_start)
-        vec = _vec(row_words, col_start, num_cols, word)
+        ints = (num_tokens, num_buffers, num_steps, kv.page_size, row_words, kv.col_start)
+        vec = _vec(row_words, kv.col_start, num_cols, word)
         constexprs = (num_cols, block_t, block_c, block_b, vec, aligned, STREAMING, to_staging)
+        pointers = (table, kv.pages, staging)
         device = staging.device
         if device.type == "cpu" or device.index == current_device():
-            self._launch_kernel(grid, (table, pages, staging), ints, constexprs, warps)
+            self._launch_kernel(grid, pointers, ints, constexprs, warps)
             return
         with dev.device_context(device):  # Triton launches on the thread's current device
-            self._launch_kernel(grid, (table, pages, staging), ints, constexprs, warps)
+            self._launch_kernel(grid, pointers, ints, constexprs, warps)
 
-    def gather(
-        self,
-        buffers: Sequence[torch.Tensor],
-        pages: torch.Tensor,
-        page_size: int,
-        staging: torch.Tensor,
-        col_start: int,
-    ) -> None:
-        self._launch(staging, buffers, pages, page_size, col_start, to_staging=True)
+    def gather(self, kv: KVColumns, staging: torch.Tensor) -> None:
+        self._launch(staging, kv, to_staging=True)
 
-    def scatter(
-        self,
-        staging: torch.Tensor,
-        buffers: Sequence[torch.Tensor],
-        pages: torch.Tensor,
-        page_size: int,
-        col_start: int,
-    ) -> None:
-        self._launch(staging, buffers, pages, page_size, col_start, to_staging=False)
+    def scatter(self, staging: torch.Tensor, kv: KVColumns) -> None:
+        self._launch(staging, kv, to_staging=False)

@@ -1,17 +1,92 @@
-"""The graphs of mapped writes (`page_write.WRITES`): a captured write's slot, which
-also copies the write's sums to its own pinned host memory unless the write rings a
-doorbell with them, and the capture of a write shape's ring of slots. What it does
-not know: the write itself (the call captured is `page_write`'s)."""
+"""The graphs of mapped writes (`page_write.WRITES`): the shape a write is captured
+for (`Bucket`) and its tables end to end (`join_tables`), which a replay's slot holds;
+a captured write's slot, which also copies the write's sums to its own pinned host
+memory unless the write rings a doorbell with them, and the capture of a write
+shape's ring of slots. What it does not know: the write itself (the call captured is
+`page_write`'s)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdctl.staging.kernels import PendingDigests
 from pdctl.staging.kernels.captured import CudaSlot, Eager, capture_slots
 from pdctl.staging.settings import StagingSettings
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A write's shape as a graph is captured for it: its segment count and its page
+    count rounded up to powers of two (pages past the write's own are never read:
+    the kernel stops at each segment's tokens; segments past its own have none), so
+    one graph serves every prompt length of the bucket."""
+
+    num_segments: int
+    segment_pages: int  # the longest segment's pages (the grid's token blocks)
+    num_pages: int
+    num_buffers: int
+
+    @staticmethod
+    def of(segments: list[tuple[int, int]], num_pages: int, num_buffers: int) -> Bucket:
+        longest = max(count for _, count in segments)
+        pages = _power_of_two(num_pages)
+        if len(segments) == 1:  # one segment: as long as the bucket's pages
+            longest = pages
+        return Bucket(_power_of_two(len(segments)), longest, pages, num_buffers)
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.num_segments, self.segment_pages, self.num_pages
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """What the launch is sized by: as many segments, each as long as the longest."""
+        return [(0, self.segment_pages)] * self.num_segments
+
+    @property
+    def sums(self) -> int:
+        return self.num_segments * self.num_buffers
+
+    def table(self, segments: list[tuple[int, int]], page_size: int) -> np.ndarray:
+        from pdctl.staging.kernels.digests import segment_table
+
+        padded = [*segments, *[(0, 0)] * (self.num_segments - len(segments))]
+        return segment_table(padded, page_size)
+
+    def padded(self, ids: np.ndarray) -> np.ndarray:
+        out = np.zeros(self.num_pages, dtype=np.int64)
+        out[: len(ids)] = ids
+        return out
+
+
+def _power_of_two(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
+
+
+def join_tables(parts: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The int64 arrays end to end, each from an even offset (16 bytes, the alignment
+    Triton compiles pointers for), and each one's [start, end)."""
+    sizes = [len(part) + len(part) % 2 for part in parts]
+    joined = np.zeros(sum(sizes), dtype=np.int64)
+    spans, offset = [], 0
+    for part, size in zip(parts, sizes, strict=True):
+        joined[offset : offset + len(part)] = part
+        spans.append((offset, offset + len(part)))
+        offset += size
+    return joined, spans
+
+
+def into_slot(joined: np.ndarray, into: torch.Tensor | None) -> torch.Tensor:
+    """A write's joined tables (checked when they were built), copied to a slot's ids
+    (`captured.HostIds`)."""
+    if into is None:
+        return torch.from_numpy(joined)
+    into.numpy()[:] = joined
+    return into
 
 
 class WriteSlot(CudaSlot):
@@ -43,17 +118,12 @@ class WriteSlot(CudaSlot):
 
     def replay(self) -> PendingDigests:
         captured = super().replay()
+        sums, words, num_buffers = captured.sums, captured.words, captured.num_buffers
         if captured.rung:  # told by the doorbell: the sums stay on the device (result()
             # reads them there, valid until this slot's next replay; nobody here asks)
             self.last = None
-            return PendingDigests(captured.sums, captured.words, captured.num_buffers, rung=True)
-        self.last = PendingDigests(
-            captured.sums,
-            captured.words,
-            captured.num_buffers,
-            host=self.host,
-            copied=self.done,
-        )
+            return PendingDigests(sums, words, num_buffers, rung=True)
+        self.last = PendingDigests(sums, words, num_buffers, host=self.host, copied=self.done)
         return self.last
 
     def wait(self) -> None:
