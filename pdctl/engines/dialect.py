@@ -14,9 +14,46 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias, TypedDict
 
-from pdctl.records import KVTransfer
+from pdctl.records import JSONValue, KVTransfer
+
+
+class PromptBody(TypedDict, total=False):
+    """A prompt as the workload phrases it: token ids or text, images optional."""
+
+    input_ids: list[int]
+    text: str | None
+    images: list[Any]  # each a base64 image ({data, dtype, shape}) or nested lists of floats
+
+
+class SamplingParams(TypedDict, total=False):
+    temperature: int
+    max_new_tokens: int
+    ignore_eos: bool
+
+
+class GenerateBody(PromptBody, total=False):
+    """`/generate` (pdctl's servers, SGLang)."""
+
+    sampling_params: SamplingParams
+    return_logprob: bool
+    top_logprobs_num: int
+
+
+class CompletionsBody(TypedDict, total=False):
+    """OpenAI `/v1/completions` as vLLM takes it (token ids as the prompt)."""
+
+    prompt: list[int] | str | None
+    max_tokens: int
+    temperature: int
+    ignore_eos: bool
+    return_token_ids: bool
+    logprobs: int
+    return_tokens_as_token_ids: bool
+
+
+RequestBody: TypeAlias = GenerateBody | CompletionsBody
 
 
 class AnswerError(ValueError):
@@ -33,7 +70,7 @@ class Answer:
     logits: list[float | None] = field(default_factory=list)  # the chosen token's (pdctl only)
     cached_tokens: int = 0  # prompt tokens prefill's prefix cache served
     kv_transfer: KVTransfer | None = None  # pdctl's servers: digests of the KV sent
-    embedding_transfer: dict[str, Any] | None = None  # EPD: what the encoder wrote
+    embedding_transfer: JSONValue = None  # EPD: what the encoder wrote, as it said it
     finish_reason: str | None = None
 
 
@@ -44,9 +81,7 @@ class Dialect(ABC):
     flush_path: str  # POST: empty the server's prefix cache
 
     @abstractmethod
-    def request(
-        self, prompt: Mapping[str, Any], max_new_tokens: int, top: int
-    ) -> tuple[str, dict[str, Any]]:
+    def request(self, prompt: PromptBody, max_new_tokens: int, top: int) -> tuple[str, RequestBody]:
         """(path, body) of a greedy request for `prompt` ({"input_ids": [...]} or
         {"text": ...}, images optional): ignore EOS, logprobs of the `top` best."""
 
@@ -54,7 +89,7 @@ class Dialect(ABC):
     def read(self, body: Any) -> Answer:
         """A 200 answer's body; AnswerError when it is not one this dialect reads."""
 
-    def canary(self) -> tuple[str, dict[str, Any]]:
+    def canary(self) -> tuple[str, RequestBody]:
         """(path, body) of the 1-token request that proves a run serves."""
         path, body = self.request({"text": "pdctl canary"}, 1, 0)
         return path, body
@@ -73,25 +108,17 @@ class GenerateDialect(Dialect):
     flush_path = "/flush_cache"
 
     def request(
-        self, prompt: Mapping[str, Any], max_new_tokens: int, top: int
-    ) -> tuple[str, dict[str, Any]]:
-        body: dict[str, Any] = {
-            **prompt,
-            "sampling_params": {
-                "temperature": 0,
-                "max_new_tokens": max_new_tokens,
-                "ignore_eos": True,
-            },
-        }
+        self, prompt: PromptBody, max_new_tokens: int, top: int
+    ) -> tuple[str, GenerateBody]:
+        greedy = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
+        body: GenerateBody = {**prompt, "sampling_params": greedy}
         if top:
             body |= {"return_logprob": True, "top_logprobs_num": top}
         return "/generate", body
 
-    def canary(self) -> tuple[str, dict[str, Any]]:
-        return "/generate", {
-            "text": "pdctl canary",
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-        }
+    def canary(self) -> tuple[str, GenerateBody]:
+        one_token = SamplingParams(max_new_tokens=1, temperature=0)
+        return "/generate", {"text": "pdctl canary", "sampling_params": one_token}
 
     def read(self, body: Any) -> Answer:
         answer = _object(body, "the answer")
@@ -138,12 +165,12 @@ class CompletionsDialect(Dialect):
     flush_path = "/reset_prefix_cache"  # a development endpoint (VLLM_SERVER_DEV_MODE=1)
 
     def request(
-        self, prompt: Mapping[str, Any], max_new_tokens: int, top: int
-    ) -> tuple[str, dict[str, Any]]:
+        self, prompt: PromptBody, max_new_tokens: int, top: int
+    ) -> tuple[str, CompletionsBody]:
         if prompt.get("images"):
             raise AnswerError("vLLM topologies take no images from pdctl's workload")
         text = prompt.get("input_ids")
-        body: dict[str, Any] = {
+        body: CompletionsBody = {
             "prompt": text if text is not None else prompt.get("text", ""),
             "max_tokens": max_new_tokens,
             "temperature": 0,

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from pdctl.engines.dialect import AnswerError, Dialect, GenerateDialect
-from pdctl.records import KVTransfer, ServerInfo
+from pdctl.records import JSONValue, KVTransfer, ServerInfo
 from pdctl.verify.workload import Prompt
 
 TOP = 5
@@ -30,7 +30,7 @@ class Result:
     logits: list[float | None] = field(default_factory=list)  # per position, the chosen token's
     cached_tokens: int = 0
     kv_transfer: KVTransfer | None = None
-    embedding_transfer: dict[str, Any] | None = None  # EPD: what the encoder wrote to prefill
+    embedding_transfer: JSONValue = None  # EPD: what the encoder wrote to prefill
     latency_ms: float = 0.0
     error: str | None = None
     status: int | None = None
@@ -150,7 +150,7 @@ class ServedModel:
     deterministic: bool | None = None  # True only when every server that said is
 
 
-def _get(client: httpx.Client, url: str) -> dict[str, Any]:
+def _get(client: httpx.Client, url: str) -> dict[str, JSONValue]:
     try:
         body = client.get(url, timeout=10).json()
     except (httpx.HTTPError, ValueError):
@@ -206,7 +206,7 @@ def flush(client: httpx.Client, urls: list[str], path: str = "/flush_cache") -> 
     return problems
 
 
-def _json(response: httpx.Response) -> dict[str, Any]:
+def _json(response: httpx.Response) -> dict[str, JSONValue]:
     try:
         body = response.json()
     except ValueError:

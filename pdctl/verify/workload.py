@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pdctl.core import MODEL_PRESETS, ModelShape, read_checkpoint_shape
+from pdctl.engines.dialect import PromptBody
 from pdctl.topology.model import Topology
 
 TEXTS = (
@@ -38,8 +39,8 @@ class Prompt:
     def length(self) -> int:
         return len(self.input_ids) if self.input_ids is not None else len(self.text or "")
 
-    def body(self) -> dict[str, Any]:
-        body: dict[str, Any] = (
+    def body(self) -> PromptBody:
+        body: PromptBody = (
             {"input_ids": self.input_ids} if self.input_ids is not None else {"text": self.text}
         )
         if self.images:
