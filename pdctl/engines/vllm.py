@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar, TypedDict
 
 from pdctl.engines.base import REFERENCE, Engine, Preparation, ReferenceSpec, engine_python, python
 from pdctl.engines.command import Arg, Command, PortRef, PortSlot, command, flags, host_ref
@@ -76,9 +76,19 @@ def served_name(topology: Topology) -> str:
     return model.preset if model.uses_preset else Path(str(model.path)).name or "model"
 
 
+class KVTransferConfig(TypedDict, total=False):
+    """vLLM's `--kv-transfer-config` (vllm/config/kv_transfer.py), the keys pdctl sets."""
+
+    kv_connector: str
+    kv_role: str
+    kv_buffer_device: str
+    kv_load_failure_policy: str
+    kv_connector_extra_config: dict[str, list[str]]
+
+
 def kv_transfer_config(topology: Topology, role: str) -> str:
     transfer = topology.transfer
-    config: dict[str, Any] = {
+    config: KVTransferConfig = {
         "kv_connector": CONNECTORS.get(transfer.backend, transfer.backend),
         "kv_role": KV_ROLES[role],
         "kv_buffer_device": "cpu" if topology.device == "cpu" else topology.device,
