@@ -9,9 +9,10 @@ computes, used by its loader and by `pdctl validate`), and imports nothing else 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 Role = Literal["prefill", "decode", "encoder"]
 SERVER_ROLES: tuple[Role, ...] = ("prefill", "decode", "encoder")
@@ -128,26 +129,48 @@ def read_checkpoint_shape(path: Path) -> ModelShape:
     return _shape(_config_json(path))
 
 
-def _config_json(path: Path) -> dict[str, Any]:
+Config = Mapping[str, object]  # a JSON object as read: each value checked where it is used
+
+
+def _config_json(path: Path) -> Config:
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     if not isinstance(config, dict):
         raise ValueError("config.json is not a JSON object")
     return config
 
 
-def _shape(config: dict[str, Any]) -> ModelShape:
+def _int(value: object) -> int:
+    """`int(value)` of a JSON value (a number or its text); others refused as int() does."""
+    if isinstance(value, str | int | float):
+        return int(value)
+    raise TypeError(
+        "int() argument must be a string, a bytes-like object or a real number, "
+        f"not {type(value).__name__!r}"
+    )
+
+
+def _float(value: object) -> float:
+    """`float(value)` of a JSON value (a number or its text); others refused as float() does."""
+    if isinstance(value, str | int | float):
+        return float(value)
+    raise TypeError(
+        f"float() argument must be a string or a real number, not {type(value).__name__!r}"
+    )
+
+
+def _shape(config: Config) -> ModelShape:
     try:
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
+        heads = _int(config["num_attention_heads"])
+        hidden = _int(config["hidden_size"])
         return ModelShape(
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=_int(config["num_hidden_layers"]),
             hidden_size=hidden,
             num_attention_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            intermediate_size=int(config["intermediate_size"]),
-            vocab_size=int(config["vocab_size"]),
-            max_position=int(config.get("max_position_embeddings", 4096)),
+            num_kv_heads=_int(config.get("num_key_value_heads") or heads),
+            head_dim=_int(config.get("head_dim") or hidden // heads),
+            intermediate_size=_int(config["intermediate_size"]),
+            vocab_size=_int(config["vocab_size"]),
+            max_position=_int(config.get("max_position_embeddings", 4096)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"config.json lacks a usable field ({exc})") from exc
@@ -208,7 +231,11 @@ def read_checkpoint_config(path: Path) -> CheckpointConfig:
     raw = _config_json(path)
     shape = _shape(raw)
     names = raw.get("architectures") or []
-    kinds = [CHECKPOINT_ARCHITECTURES[n] for n in names if n in CHECKPOINT_ARCHITECTURES]
+    kinds = [
+        CHECKPOINT_ARCHITECTURES[n]
+        for n in _iterable(names)
+        if n in CHECKPOINT_ARCHITECTURES and isinstance(n, str)
+    ]
     if not kinds:
         raise CheckpointRefused(
             f"architectures {names} is not one the embedded engine computes "
@@ -220,12 +247,27 @@ def read_checkpoint_config(path: Path) -> CheckpointConfig:
         architecture=kinds[0],
         rope=_rope(raw),
         sliding_window=_sliding_window(raw, kinds[0]),
-        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_eps=_float(raw.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
     )
 
 
-def _refuse_features(raw: dict[str, Any], kind: str) -> None:
+def _iterable(value: object) -> Iterable[object]:
+    """A JSON value iterated as Python does (a list's items, a text's characters, an
+    object's keys); a number or null is not iterable."""
+    if isinstance(value, list | str | dict):
+        return value
+    raise TypeError(f"{type(value).__name__!r} object is not iterable")
+
+
+def _contains(value: object, item: str) -> bool:
+    """`item in value` for a JSON value, as Python answers it (a number or null cannot)."""
+    if isinstance(value, list | str | dict):
+        return item in value
+    raise TypeError(f"argument of type {type(value).__name__!r} is not iterable")
+
+
+def _refuse_features(raw: Config, kind: str) -> None:
     """Keys that would change the computation in ways the engine does not follow."""
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointRefused(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
@@ -234,11 +276,11 @@ def _refuse_features(raw: dict[str, Any], kind: str) -> None:
             raise CheckpointRefused(f"{key}: true is not supported for {kind}")
 
 
-def _sliding_window(raw: dict[str, Any], kind: str) -> int | None:
+def _sliding_window(raw: Config, kind: str) -> int | None:
     window = raw.get("sliding_window")
     if kind in ("qwen2", "qwen3"):  # per-layer windows (max_window_layers): not computed
         layer_types = raw.get("layer_types") or []
-        if raw.get("use_sliding_window") or "sliding_attention" in layer_types:
+        if raw.get("use_sliding_window") or _contains(layer_types, "sliding_attention"):
             raise CheckpointRefused(
                 f"use_sliding_window (per-layer windows) is not supported for {kind}"
             )
@@ -252,44 +294,51 @@ def _sliding_window(raw: dict[str, Any], kind: str) -> int | None:
     return window
 
 
-def _rope(raw: dict[str, Any]) -> RopeSettings:
+def _rope(raw: Config) -> RopeSettings:
     """RoPE from `rope_parameters` (transformers 5) and/or `rope_scaling` (earlier)."""
-    found = [(key, raw[key]) for key in ("rope_parameters", "rope_scaling") if raw.get(key)]
+    found: list[tuple[str, Config]] = []
     theta = raw.get("rope_theta")
-    for key, params in found:
+    for key in ("rope_parameters", "rope_scaling"):
+        params = raw.get(key)
+        if not params:
+            continue
         if not isinstance(params, dict):
             raise CheckpointRefused(f"{key} must be an object, got {params!r}")
+        found.append((key, params))
         theta = params.get("rope_theta", theta)
-    theta = float(theta if theta is not None else 10000.0)
-    settings = {_rope_settings(key, params, theta) for key, params in found}
+    rope_theta = _float(theta if theta is not None else 10000.0)
+    settings = {_rope_settings(key, params, rope_theta) for key, params in found}
     if len(settings) > 1:
         raise CheckpointRefused("rope_parameters and rope_scaling disagree; keep one of them")
-    return settings.pop() if settings else RopeSettings(theta)
+    return settings.pop() if settings else RopeSettings(rope_theta)
 
 
-def _rope_settings(key: str, params: dict[str, Any], theta: float) -> RopeSettings:
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_settings(key: str, params: Config, theta: float) -> RopeSettings:
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
+    if not isinstance(kind, str) or kind not in ROPE_TYPES:
         raise CheckpointRefused(
             f"{key}.rope_type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
         )
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+    if _float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise CheckpointRefused(f"{key}.partial_rotary_factor other than 1.0 is not supported")
     if kind == "default":
         return RopeSettings(theta)
-    names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [name for name in names if not isinstance(params.get(name), int | float)]
+    numbers = {n: v for n in LLAMA3_KEYS if isinstance(v := params.get(n), int | float)}
+    missing = [name for name in LLAMA3_KEYS if name not in numbers]
     if missing:
         raise CheckpointRefused(f"{key} of rope_type llama3 lacks {', '.join(missing)}")
-    if params["high_freq_factor"] <= params["low_freq_factor"] or params["factor"] <= 0:
+    if numbers["high_freq_factor"] <= numbers["low_freq_factor"] or numbers["factor"] <= 0:
         raise CheckpointRefused(
             f"{key}: llama3 needs factor > 0 and high_freq_factor > low_freq_factor"
         )
     return RopeSettings(
         theta,
         kind,
-        float(params["factor"]),
-        float(params["low_freq_factor"]),
-        float(params["high_freq_factor"]),
-        int(params["original_max_position_embeddings"]),
+        float(numbers["factor"]),
+        float(numbers["low_freq_factor"]),
+        float(numbers["high_freq_factor"]),
+        int(numbers["original_max_position_embeddings"]),
     )
