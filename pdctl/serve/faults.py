@@ -26,8 +26,11 @@ import os
 import signal
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 from pdctl.serve.settings import Handoff
 from pdctl.settings import FAULTS_VAR
@@ -37,14 +40,28 @@ LATE_WRITE_S = 0.1  # abort-transfer: how long after the abort the write lands, 
 ROOMS_REMEMBERED = 4096  # abort-transfer: rooms whose pick is kept (each is counted once)
 
 
+class Fault(BaseModel):
+    """One fault as the launcher hands it over: the topology's `FaultSpec`, with `spare`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    every: int = 1
+    after: int | None = None  # kill-role: 3 when not given; abort-transfer: 0
+    spare: int = 0
+    seconds: float | None = None
+    role: str | None = None
+
+
 class Faults:
-    def __init__(self, specs: list[dict[str, Any]]) -> None:
-        self.specs = {str(s["name"]): s for s in specs}
+    def __init__(self, specs: Iterable[Mapping[str, object]]) -> None:
+        """`specs`: the JSON objects of the faults (checked here, once)."""
+        self.specs = {fault.name: fault for fault in map(Fault.model_validate, specs)}
         self.counts: dict[str, int] = {}
         self.lock = threading.Lock()
         self._aborts: OrderedDict[int, bool] = OrderedDict()  # room -> picked (abort-transfer)
         for name in self.specs:
-            log.warning("fault injection is ON: %s", self.specs[name])
+            log.warning("fault injection is ON: %r", self.specs[name])
 
     @classmethod
     def from_json(cls, raw: str) -> Faults:
@@ -55,27 +72,27 @@ class Faults:
             specs = json.loads(raw)
             if not isinstance(specs, list):
                 raise ValueError("not a list")
-        except ValueError as exc:
+            return cls(specs)
+        except ValueError as exc:  # a fault that is not one too (pydantic's ValidationError)
             raise SystemExit(f"{FAULTS_VAR} is not a JSON list of faults: {exc}") from None
-        return cls(specs)
 
     def __bool__(self) -> bool:
         return bool(self.specs)
 
-    def hit(self, name: str) -> dict[str, Any] | None:
+    def hit(self, name: str) -> Fault | None:
         """The fault's spec when this occurrence (1-based) is every `every`th, else None."""
         spec = self.specs.get(name)
         if spec is None:
             return None
         with self.lock:
             seen = self.counts[name] = self.counts.get(name, 0) + 1
-        count = seen - int(spec.get("spare", 0))  # the first `spare` occurrences are spared
-        if count > 0 and count % int(spec.get("every", 1)) == 0:
+        count = seen - spec.spare  # the first `spare` occurrences are spared
+        if count > 0 and count % spec.every == 0:
             log.warning("injecting fault %s (occurrence %d)", name, count)
             return spec
         return None
 
-    def aborts(self, room: int) -> dict[str, Any] | None:
+    def aborts(self, room: int) -> Fault | None:
         """abort-transfer: the spec when `room` is one decode aborts mid-transfer (None
         otherwise). Each room counts once, however often it is asked about; past the
         first `spare` + `after` rooms, a room is picked when its id is a multiple of
@@ -87,8 +104,8 @@ class Faults:
             picked = self._aborts.get(room)
             if picked is None:
                 seen = self.counts["abort-transfer"] = self.counts.get("abort-transfer", 0) + 1
-                spared = int(spec.get("spare", 0)) + int(spec.get("after", 0))
-                picked = seen > spared and room % int(spec.get("every", 1)) == 0
+                spared = spec.spare + (spec.after or 0)
+                picked = seen > spared and room % spec.every == 0
                 self._aborts[room] = picked
                 if len(self._aborts) > ROOMS_REMEMBERED:
                     self._aborts.popitem(last=False)
@@ -113,7 +130,7 @@ class Faults:
             return
         with self.lock:
             seen = self.counts["kill-role"] = self.counts.get("kill-role", 0) + 1
-        if seen - int(spec.get("spare", 0)) > int(spec.get("after", 3)):
+        if seen - spec.spare > (3 if spec.after is None else spec.after):
             log.warning("injecting fault kill-role at request %d: SIGKILL", seen)
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -150,9 +167,9 @@ class RoomFaults:
         found = source if source is not None else faults()
         corrupt = found.hit("corrupt-kv") is not None
         delay = found.hit("delay-transfer")
-        delay_s = None if delay is None else float(delay.get("seconds") or hold_s)
+        delay_s = None if delay is None else float(delay.seconds or hold_s)
         aborted = None if room is None else found.aborts(room)
-        late_s = None if aborted is None else float(aborted.get("seconds") or LATE_WRITE_S)
+        late_s = None if aborted is None else float(aborted.seconds or LATE_WRITE_S)
         return cls(corrupt_kv=corrupt, delay_s=delay_s, late_write_s=late_s)
 
     @classmethod

@@ -32,7 +32,7 @@ def sampling_params(body: OpenAIBody, max_tokens: int) -> SamplingParams:
 def finish_reason(outcome: Outcome) -> str | None:
     if outcome.finish is None:
         return None
-    return "length" if outcome.finish.get("type") == "length" else "stop"
+    return "length" if outcome.finish["type"] == "length" else "stop"
 
 
 def usage(outcomes: list[Outcome]) -> dict[str, Any]:

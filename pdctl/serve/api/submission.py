@@ -19,7 +19,7 @@ from fastapi import Request as HttpRequest
 from pdctl.records import KVTransfer
 from pdctl.serve.api.errors import BadRequest
 from pdctl.serve.engine.loop import Engine
-from pdctl.serve.engine.request import Event, Request
+from pdctl.serve.engine.request import Event, FinishReason, Request
 from pdctl.serve.engine.sampling import SamplingParams
 
 DISCONNECT_CHECK_S = 0.5  # how often a request's reader asks whether its client is gone
@@ -46,7 +46,7 @@ class Outcome:
     prompt_len: int
     tokens: list[int] = field(default_factory=list)
     choices: list[Any] = field(default_factory=list)
-    finish: dict[str, Any] | None = None
+    finish: FinishReason | None = None
     error: str | None = None
     cached_tokens: int = 0
     kv_transfer: KVTransfer | None = None

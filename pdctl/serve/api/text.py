@@ -9,20 +9,23 @@ what they are. Torch-free, no I/O.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type only: this module stays torch-free
+    from pdctl.serve.engine.request import FinishReason
 
 REPLACEMENT = "\ufffd"
 
 
-def stop_matched(finish: dict[str, Any] | None) -> str | None:
+def stop_matched(finish: FinishReason | None) -> str | None:
     """The stop string that ended a request, if a stop string did."""
-    if finish and finish.get("type") == "stop" and isinstance(finish.get("matched"), str):
+    if finish and finish["type"] == "stop" and isinstance(finish.get("matched"), str):
         return str(finish["matched"])
     return None
 
 
 def visible_text(
-    text: str, stops: list[str], finish: dict[str, Any] | None, trim: bool = True
+    text: str, stops: list[str], finish: FinishReason | None, trim: bool = True
 ) -> str:
     """`text` as the client may see it now: cut before the matched stop string once
     finished; while running, without a tail that could still start a stop string."""
@@ -50,7 +53,7 @@ class TextStream:
     def __init__(self, stops: list[str], trim: bool = True) -> None:
         self.stops, self.trim, self.sent = stops, trim, ""
 
-    def delta(self, text: str, finish: dict[str, Any] | None) -> str:
+    def delta(self, text: str, finish: FinishReason | None) -> str:
         shown = visible_text(text, self.stops, finish, self.trim)
         if not shown.startswith(self.sent):  # a held-back character decoded differently
             shown = self.sent

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from pdctl.records import KVTransfer
-from pdctl.serve.engine.request import Event, Phase, Request
+from pdctl.serve.engine.request import Event, FinishReason, Phase, Request
 from pdctl.serve.engine.sampling import TokenChoice, choose, generator_for
 from pdctl.serve.engine.scheduler import Scheduler
 from pdctl.serve.faults import faults
@@ -330,7 +330,7 @@ class Engine:
         if reason is not None:
             self._finish(request, reason)
 
-    def _finish_reason(self, request: Request) -> dict[str, Any] | None:
+    def _finish_reason(self, request: Request) -> FinishReason | None:
         params = request.params
         token = request.output_ids[-1]
         if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
@@ -370,10 +370,10 @@ class Engine:
         self._emit(request, first)
 
     def _finish(
-        self, request: Request, reason: dict[str, Any], cache: bool = True, fence: bool = False
+        self, request: Request, reason: FinishReason, cache: bool = True, fence: bool = False
     ) -> None:
         self._end(request, cache, fence)
-        if reason.get("type") == "abort":
+        if reason["type"] == "abort":
             self.stats.aborted += 1
         else:
             self.stats.finished += 1

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Literal, TypedDict
 
 import torch
 
@@ -24,6 +24,17 @@ class Phase(Enum):
     DONE = "done"
 
 
+class _Finished(TypedDict):
+    type: Literal["stop", "length", "abort", "kv_sent"]  # kv_sent: prefill's PD request
+
+
+class FinishReason(_Finished, total=False):
+    """How a request ended, as /generate's meta_info says it (SGLang's shape)."""
+
+    matched: int | str  # stop: the token id or the stop string that ended it
+    length: int  # length: the max_new_tokens it reached
+
+
 @dataclass
 class Event:
     """What a request reports: new tokens, then a final event with `finish_reason`."""
@@ -31,7 +42,7 @@ class Event:
     rid: str
     token: int | None = None
     choice: TokenChoice | None = None
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
 
 
