@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdctl.records import JSONValue
+from pdctl.serve.api.answers import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatLogprobs,
+    Chunk,
+    Head,
+    TokenLogprob,
+)
 from pdctl.serve.api.chat_template import TemplateError, render_chat
 from pdctl.serve.api.errors import BadRequest
 from pdctl.serve.api.openai_common import (
@@ -25,9 +34,9 @@ from pdctl.serve.api.openai_schemas import ChatBody
 from pdctl.serve.api.submission import Outcome, ServerContext, Submission, pd_fields, validate_ids
 
 
-def template_messages(body: ChatBody) -> list[dict[str, Any]]:
+def template_messages(body: ChatBody) -> list[dict[str, JSONValue]]:
     """The messages as the template sees them: content as one text (text parts joined)."""
-    messages = []
+    messages: list[dict[str, JSONValue]] = []
     for i, message in enumerate(body.messages):
         content = message.content
         if isinstance(content, list):
@@ -55,10 +64,10 @@ def chat_ids(ctx: ServerContext, body: ChatBody) -> list[int]:
     return ids
 
 
-def chat_logprobs(ctx: ServerContext, outcome: Outcome) -> dict[str, Any]:
+def chat_logprobs(ctx: ServerContext, outcome: Outcome) -> ChatLogprobs:
     decode = ctx.engine.tokenizer.decode
 
-    def entry(token: int, logprob: float) -> dict[str, Any]:
+    def entry(token: int, logprob: float) -> TokenLogprob:
         text = decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
@@ -83,37 +92,40 @@ async def chat(ctx: ServerContext, body: ChatBody, http: HttpRequest) -> Respons
     if body.top_logprobs and not body.logprobs:  # as OpenAI answers it
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     top = (body.top_logprobs or 0) if body.logprobs else None
-    cid = f"chatcmpl-{uuid.uuid4().hex}"
-    head: dict[str, Any] = {
-        "id": cid,
-        "created": int(time.time()),
-        "model": body.model or ctx.model_name,
-    }
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    model = body.model or ctx.model_name
+
+    def head(kind: str) -> Head:
+        return {"id": cid, "created": created, "model": model, "object": kind}
+
     submission = Submission(ctx, ids, params, cid, top, pd_fields(body))
     if body.stream:
 
-        def chunk(delta: str | None, finish: str | None) -> dict[str, Any]:
+        def chunk(delta: str | None, finish: str | None) -> Chunk:
             said = {"role": "assistant", "content": ""} if delta is None else {"content": delta}
-            choice = {
+            choice: ChatChunkChoice = {
                 "index": 0,
                 "delta": said if delta != "" or finish is None else {},
                 "logprobs": None,
                 "finish_reason": finish,
             }
-            return {**head, "object": "chat.completion.chunk", "choices": [choice]}
+            return {**head("chat.completion.chunk"), "choices": [choice]}
 
         events = stream_choice(ctx, body, submission, http, chunk, opening=True)
         return StreamingResponse(events, media_type="text/event-stream")
     outcome = await submission.finish(http)
-    choice = {
+    choice: ChatChoice = {
         "index": 0,
         "message": {"role": "assistant", "content": final_text(ctx, body, outcome)},
         "logprobs": chat_logprobs(ctx, outcome) if body.logprobs else None,
         "finish_reason": finish_reason(outcome),
     }
-    return JSONResponse(
-        {**head, "object": "chat.completion", "choices": [choice], "usage": usage([outcome])}
-    )
+    answer: ChatCompletion = {
+        **head("chat.completion"),
+        "choices": [choice],
+        "usage": usage([outcome]),
+    }
+    return JSONResponse(answer)
 
 
 def add_chat(app: FastAPI, ctx: ServerContext) -> None:

@@ -10,6 +10,7 @@ documented in docs/http-api.md. Knows nothing of HTTP or the engine.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pdctl.records import JSONValue
 
 # Each message as `<|role|>` and its content on the next line; the prompt ends with an
 # open assistant turn.
@@ -75,7 +78,9 @@ def _compiled(template: str) -> jinja2.Template:
 
 
 def render_chat(
-    messages: list[dict[str, Any]], template: str | None, special_tokens: dict[str, str]
+    messages: Sequence[Mapping[str, JSONValue]],
+    template: str | None,
+    special_tokens: dict[str, str],
 ) -> str:
     """The prompt text for `messages`, ending with the assistant's turn opened."""
     try:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdctl.serve.api.answers import Chunk, Completion, CompletionChoice, CompletionLogprobs, Head
 from pdctl.serve.api.errors import BadRequest
 from pdctl.serve.api.openai_common import (
     final_text,
@@ -41,7 +41,7 @@ def completion_ids(body: CompletionBody, ctx: ServerContext) -> tuple[list[list[
     return ids, batch
 
 
-def logprobs_of(ctx: ServerContext, outcome: Outcome) -> dict[str, Any]:
+def logprobs_of(ctx: ServerContext, outcome: Outcome) -> CompletionLogprobs:
     decode = ctx.engine.tokenizer.decode
     return {
         "tokens": [decode([t]) for t in outcome.tokens],
@@ -58,7 +58,7 @@ async def completions(ctx: ServerContext, body: CompletionBody, http: HttpReques
     refuse_pd_batch(batch, pd)
     if body.stream and batch:
         raise BadRequest("streaming takes one prompt, not a batch", "stream")
-    head = {
+    head: Head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
@@ -70,14 +70,19 @@ async def completions(ctx: ServerContext, body: CompletionBody, http: HttpReques
     ]
     if body.stream:
 
-        def chunk(delta: str | None, finish: str | None) -> dict[str, Any]:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        def chunk(delta: str | None, finish: str | None) -> Chunk:
+            choice: CompletionChoice = {
+                "index": 0,
+                "text": delta or "",
+                "logprobs": None,
+                "finish_reason": finish,
+            }
             return {**head, "choices": [choice]}
 
         events = stream_choice(ctx, body, submissions[0], http, chunk)
         return StreamingResponse(events, media_type="text/event-stream")
     outcomes = await asyncio.gather(*(s.finish(http) for s in submissions))
-    choices = [
+    choices: list[CompletionChoice] = [
         {
             "index": i,
             "text": final_text(ctx, body, o),
@@ -86,7 +91,8 @@ async def completions(ctx: ServerContext, body: CompletionBody, http: HttpReques
         }
         for i, o in enumerate(outcomes)
     ]
-    return JSONResponse({**head, "choices": choices, "usage": usage(outcomes)})
+    answer: Completion = {**head, "choices": choices, "usage": usage(outcomes)}
+    return JSONResponse(answer)
 
 
 def add_completions(app: FastAPI, ctx: ServerContext) -> None:

@@ -5,7 +5,7 @@ Torch-free: the router and the bootstrap endpoint answer with the same body.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 
 class BadRequest(Exception):
@@ -16,7 +16,20 @@ class BadRequest(Exception):
         self.message, self.param, self.status = message, param, status
 
 
-def error_body(message: str, param: str | None = None, status: int = 400) -> dict[str, Any]:
+class ErrorDetail(TypedDict):
+    message: str
+    type: str  # BadRequestError, NotFoundError or ServiceUnavailableError
+    param: str | None
+    code: int  # the HTTP status
+
+
+class ErrorJSON(TypedDict):
+    """The body of every error (openapi.py documents it as `ErrorBody`)."""
+
+    error: ErrorDetail
+
+
+def error_body(message: str, param: str | None = None, status: int = 400) -> ErrorJSON:
     kind = "BadRequestError" if status < 500 else "ServiceUnavailableError"
     if status in (404, 405):
         kind = "NotFoundError"

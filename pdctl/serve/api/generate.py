@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdctl.serve.api.answers import GenerateResult, MetaInfo
 from pdctl.serve.api.errors import BadRequest, error_body
 from pdctl.serve.api.schemas import GenerateBody, SamplingBody
 from pdctl.serve.api.submission import (
@@ -45,8 +46,8 @@ def to_params(body: SamplingBody) -> SamplingParams:
     )
 
 
-def meta_info(outcome: Outcome, with_logprobs: bool) -> dict[str, Any]:
-    meta: dict[str, Any] = {
+def meta_info(outcome: Outcome, with_logprobs: bool) -> MetaInfo:
+    meta: MetaInfo = {
         "id": outcome.rid,
         "prompt_tokens": outcome.prompt_len,
         "completion_tokens": len(outcome.tokens),
@@ -109,7 +110,7 @@ async def multimodal_prompt(
         raise BadRequest(str(exc), exc.field) from None
 
 
-def result_of(ctx: ServerContext, body: GenerateBody, outcome: Outcome) -> dict[str, Any]:
+def result_of(ctx: ServerContext, body: GenerateBody, outcome: Outcome) -> GenerateResult:
     sampling = body.sampling_params
     text = visible_text(
         ctx.engine.tokenizer.decode(outcome.tokens),

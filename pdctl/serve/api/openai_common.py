@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import Request as HttpRequest
 
+from pdctl.serve.api.answers import Chunk, Usage
 from pdctl.serve.api.errors import BadRequest, error_body
 from pdctl.serve.api.openai_schemas import OpenAIBody
 from pdctl.serve.api.submission import Outcome, ServerContext, Submission, sse
@@ -35,7 +36,7 @@ def finish_reason(outcome: Outcome) -> str | None:
     return "length" if outcome.finish["type"] == "length" else "stop"
 
 
-def usage(outcomes: list[Outcome]) -> dict[str, Any]:
+def usage(outcomes: list[Outcome]) -> Usage:
     prompt = sum(o.prompt_len for o in outcomes)
     completion = sum(len(o.tokens) for o in outcomes)
     cached = sum(o.cached_tokens for o in outcomes)
@@ -63,7 +64,7 @@ async def stream_choice(
     body: OpenAIBody,
     submission: Submission,
     http: HttpRequest,
-    chunk: Callable[[str | None, str | None], dict[str, Any]],
+    chunk: Callable[[str | None, str | None], Chunk],
     opening: bool = False,
 ) -> AsyncIterator[bytes]:
     """SSE chunks of one streamed choice: `chunk(delta, finish_reason)` shapes each

@@ -16,7 +16,7 @@ Torch-free: the router imports it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -90,7 +90,6 @@ class Document:
     routes: Mapping[tuple[str, str], Route]
     answers_within_s: float | None = None  # the bound of every route's answer, if any
     authenticated: bool = False  # every route wants the per-run secret (a 401 without it)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def describe(app: FastAPI, document: Document) -> None:

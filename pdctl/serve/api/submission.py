@@ -32,7 +32,7 @@ class ServerContext:
     vocab_size: int
     max_context: int
     info: dict[str, Any]
-    extra_info: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    extra_info: Callable[[], dict[str, object]] = field(default=lambda: {})  # serialized
     ready: bool = True
     # PD roles: check a request's bootstrap fields and attach them (may raise BadRequest)
     prepare: Callable[[Request, dict[str, Any]], None] | None = None
@@ -152,5 +152,5 @@ def pd_fields(body: Any) -> dict[str, Any]:
     return fields if fields["bootstrap_room"] is not None else {}
 
 
-def sse(data: Any) -> bytes:
+def sse(data: object) -> bytes:
     return f"data: {json.dumps(data)}\n\n".encode()
