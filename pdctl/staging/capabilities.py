@@ -16,13 +16,66 @@ import os
 import platform
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
 from pdctl.staging import device as dev
 
+if TYPE_CHECKING:  # the transports are imported when probed
+    from pdctl.staging.transport.mooncake import EngineProbe
+
 DEVICE_TYPES = ("cuda", "xpu", "npu", "hpu", "musa", "mlu", "mps")
+
+
+class TritonReport(TypedDict, total=False):
+    importable: bool
+    version: str
+    error: str
+
+
+class TransportReport(TypedDict, total=False):
+    """What every transport's probe says (a probe that failed says only this)."""
+
+    importable: bool
+    error: str
+
+
+class TcpReport(TransportReport, total=False):
+    version: str
+    protocols: list[str]
+    memory_types: list[str]
+    device_ipc: dict[str, str | None]  # device type -> its same-host IPC
+    same_host_direct: bool
+    detail: str
+    doorbells: bool  # same-host direct rooms told without a message
+    doorbells_detail: str
+
+
+class MooncakeReport(TransportReport, total=False):
+    version: str | None
+    fix: str
+    protocols: list[str]
+    rdma_devices: list[str]
+    memory_types: list[str]
+    tent_built: bool  # symbols only: a hint, never the verdict
+    tent_engine: EngineProbe
+    tent_available: bool
+    tent_requested: bool
+    tent_engaged: bool
+    warning: str
+
+
+class NixlReport(TransportReport, total=False):
+    version: str | None
+    plugins: list[str]
+    usable_plugins: list[str]
+    memory_types: dict[str, list[str]]  # plugin -> its memory types
+
+
+class CpuStagingReport(TypedDict):
+    native: bool
+    detail: str
 
 
 def _version(*distributions: str) -> str | None:
@@ -81,7 +134,7 @@ def device_memory() -> dict[str, list[float]]:
     return {k: v for k, v in found.items() if v}
 
 
-def _triton() -> dict[str, Any]:
+def _triton() -> TritonReport:
     try:
         triton = importlib.import_module("triton")
     except ImportError as exc:
@@ -89,7 +142,7 @@ def _triton() -> dict[str, Any]:
     return {"importable": True, "version": getattr(triton, "__version__", "?")}
 
 
-def _tcp() -> dict[str, Any]:
+def _tcp() -> TcpReport:
     from pdctl.staging import doorbell
     from pdctl.staging.transport import device_ipc, fastpath
 
@@ -127,40 +180,37 @@ def _rdma_devices() -> list[str]:
         return []
 
 
-def _mooncake() -> dict[str, Any]:
+_MOONCAKE_DISTRIBUTIONS = (
+    "mooncake-transfer-engine",
+    "mooncake-transfer-engine-non-cuda",
+    "mooncake-transfer-engine-cuda13",
+)
+
+
+def _mooncake() -> MooncakeReport:
     from pdctl.staging.transport import mooncake
 
-    info: dict[str, Any] = {
-        "version": _version(
-            "mooncake-transfer-engine",
-            "mooncake-transfer-engine-non-cuda",
-            "mooncake-transfer-engine-cuda13",
-        )
-    }
+    info: MooncakeReport = {"version": _version(*_MOONCAKE_DISTRIBUTIONS)}
     try:
         engine = importlib.import_module("mooncake.engine")
     except ImportError as exc:
-        info.update(importable=False, error=str(exc))
+        info["importable"], info["error"] = False, str(exc)
         if "libibverbs" in str(exc):
             info["fix"] = "apt-get install libibverbs1 (Mooncake links it even for TCP)"
         return info
     rdma = _rdma_devices()
-    info.update(
-        importable=True,
-        protocols=["tcp"] + (["rdma"] if rdma else []),
-        rdma_devices=rdma,
-        memory_types=["DRAM"] + (["VRAM"] if getattr(engine, "SUPPORT_CUDA", False) else []),
-        tent_built=mooncake.tent_built(),  # symbols only: a hint, never the verdict
-    )
+    info["importable"] = True
+    info["protocols"] = ["tcp"] + (["rdma"] if rdma else [])
+    info["rdma_devices"] = rdma
+    info["memory_types"] = ["DRAM"] + (["VRAM"] if getattr(engine, "SUPPORT_CUDA", False) else [])
+    info["tent_built"] = mooncake.tent_built()
     asked = mooncake.tent_requested()
     # what the engine runs when asked for TENT: this environment's variable, else MC_USE_TENT=1
     probe = mooncake.probe_engine(dict(os.environ) if asked else {**os.environ, "MC_USE_TENT": "1"})
-    info.update(
-        tent_engine=probe,
-        tent_available=probe["implementation"] == "tent",
-        tent_requested=asked is not None,
-        tent_engaged=asked is not None and probe["implementation"] == "tent",
-    )
+    info["tent_engine"] = probe
+    info["tent_available"] = probe["implementation"] == "tent"
+    info["tent_requested"] = asked is not None
+    info["tent_engaged"] = asked is not None and probe["implementation"] == "tent"
     if asked is not None and not info["tent_engaged"]:
         info["warning"] = (
             f"{asked} is set, but the Transfer Engine ran its {probe['implementation']} "
@@ -169,10 +219,10 @@ def _mooncake() -> dict[str, Any]:
     return info
 
 
-def _nixl() -> dict[str, Any]:
+def _nixl() -> NixlReport:
     from pdctl.staging.transport import nixl
 
-    info: dict[str, Any] = {"version": _version("nixl", "nixl-cu12", "nixl-cu13")}
+    info: NixlReport = {"version": _version("nixl", "nixl-cu12", "nixl-cu13")}
     try:
         with quiet_fds():
             api = nixl.import_nixl()
@@ -182,10 +232,11 @@ def _nixl() -> dict[str, Any]:
                 p: list(agent.get_plugin_mem_types(p)) for p in ("UCX", "LIBFABRIC") if p in plugins
             }
     except Exception as exc:  # import errors and NIXL's own exceptions alike
-        info.update(importable=False, error=str(exc))
+        info["importable"], info["error"] = False, str(exc)
         return info
-    usable = sorted(plugin for plugin, types in memory.items() if types)
-    info.update(importable=True, plugins=plugins, usable_plugins=usable, memory_types=memory)
+    info["importable"], info["plugins"] = True, plugins
+    info["usable_plugins"] = sorted(plugin for plugin, types in memory.items() if types)
+    info["memory_types"] = memory
     return info
 
 
@@ -199,7 +250,7 @@ def _installed(module: str) -> bool:
 
 
 def report() -> dict[str, Any]:
-    transports: dict[str, Any] = {}
+    transports: dict[str, TransportReport] = {}
     for name, probe in (("tcp", _tcp), ("mooncake", _mooncake), ("nixl", _nixl)):
         try:
             transports[name] = probe()
@@ -219,7 +270,7 @@ def report() -> dict[str, Any]:
     }
 
 
-def _cpu_staging() -> dict[str, Any]:
+def _cpu_staging() -> CpuStagingReport:
     """How the torch backend copies CPU staging rows: the C copy, or torch's index ops."""
     from pdctl.staging.kernels import native
 

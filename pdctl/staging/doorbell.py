@@ -43,7 +43,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -61,6 +61,15 @@ POLL_S = 25e-6  # a ring under way (announced): how often the receiver looks
 RECLAIM_S = 600.0  # a given-up slot returns after this long (no writer waits so long)
 
 
+class BoxJson(TypedDict):
+    """A `BoxInfo` as JSON (`BoxInfo.from_json` reads it back, every field checked)."""
+
+    path: str
+    nonce: int
+    slots: int
+    slot_words: int
+
+
 @dataclass(frozen=True)
 class BoxInfo:
     """Where a ringer finds a receiver's box: a path it opens, the nonce that proves
@@ -71,13 +80,10 @@ class BoxInfo:
     slots: int
     slot_words: int
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "nonce": self.nonce,
-            "slots": self.slots,
-            "slot_words": self.slot_words,
-        }
+    def to_json(self) -> BoxJson:
+        return BoxJson(
+            path=self.path, nonce=self.nonce, slots=self.slots, slot_words=self.slot_words
+        )
 
     @staticmethod
     def from_json(data: Any) -> BoxInfo:

@@ -36,7 +36,8 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -84,6 +85,15 @@ __all__ = [  # the contract's names, those of `values` re-exported
 ]
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """The KV buffers an endpoint registered for direct page writes."""
+
+    page_size: int
+    num_layers: int
+    slot_layer_ids: list[int] | None  # buffer slot -> model layer (pipeline parallelism)
+
+
 class Transport(ABC):
     """One endpoint of a KV transport. Thread-safe: writes may come from many threads."""
 
@@ -97,7 +107,7 @@ class Transport(ABC):
         self.config = config
         self.regions: list[MemoryRegion] = []
         self.tensors: dict[int, torch.Tensor] = {}  # region ptr -> tensor, for device memory
-        self.kv_layout: dict[str, Any] = {}
+        self.kv_layout: KVLayout | None = None  # set by `set_kv_buffer_tensors`
         self._lock = threading.RLock()
         self._notifications: deque[Notification] = deque()
         self._notified = threading.Condition(self._lock)
@@ -162,11 +172,8 @@ class Transport(ABC):
         regions = [
             self.register_tensor(t) for pair in zip(k_buffers, v_buffers, strict=True) for t in pair
         ]
-        self.kv_layout = {
-            "page_size": page_size,
-            "num_layers": len(k_buffers),
-            "slot_layer_ids": list(slot_layer_ids) if slot_layer_ids is not None else None,
-        }
+        layer_ids = list(slot_layer_ids) if slot_layer_ids is not None else None
+        self.kv_layout = KVLayout(page_size, len(k_buffers), layer_ids)
         return regions
 
     @property
@@ -182,7 +189,7 @@ class Transport(ABC):
         """This endpoint as bytes for a peer (JSON): how to reach it, what it registered."""
         with self._lock:
             regions = [region.to_json() for region in self.regions]
-        payload = {
+        payload: dict[str, object] = {
             "transport": self.name,
             "version": 1,
             "name": self.config.name,
@@ -373,7 +380,8 @@ class Transport(ABC):
     def _deregister(self, region: MemoryRegion) -> None: ...
 
     @abstractmethod
-    def _describe(self) -> dict[str, Any]: ...
+    def _describe(self) -> Mapping[str, object]:
+        """How a peer reaches this endpoint (its own keys, added to `describe`'s)."""
 
     @abstractmethod
     def _connect(self, name: str, regions: list[MemoryRegion], info: dict[str, Any]) -> Peer: ...

@@ -17,7 +17,7 @@ import hashlib
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import torch
@@ -38,6 +38,32 @@ VARIANTS = {  # label -> (backend, same-host fast path)
 SECRET = b"pdctl-bench"
 
 
+class RowJson(TypedDict):
+    """A `Row` as JSON, field for field."""
+
+    variant: str
+    label: str
+    nbytes: int
+    gbps: float
+    p50_ms: float
+    p99_ms: float
+    consistent: bool
+    first_ms: float | None
+    connect_ms: float | None
+
+
+class Targets(TypedDict, total=False):
+    """The issue's targets, each a ratio of two rows of a run (`targets`)."""
+
+    size: str
+    direct_vs_best_library: float
+    direct_vs_memcpy: float
+    p50_4k_vs_nixl: float
+    direct_256m_gbps: float
+    direct_vs_nixl_256m: float
+    first_256m_gbps: float
+
+
 @dataclass(frozen=True)
 class Row:
     variant: str
@@ -50,8 +76,8 @@ class Row:
     first_ms: float | None = None  # the very first write (connections, IPC mappings)
     connect_ms: float | None = None  # a first-write row: the connect before it
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_json(self) -> RowJson:
+        return cast(RowJson, asdict(self))  # the same fields, in the same order
 
 
 def _label(size: int) -> str:
@@ -238,7 +264,7 @@ def run_transport_bench(
     }
 
 
-def targets(rows: list[Row], size: int = 64 * MIB) -> dict[str, Any]:
+def targets(rows: list[Row], size: int = 64 * MIB) -> Targets:
     """The issue's targets, each a ratio of two rows of this run (absent rows: absent).
 
     At `size`: the builtin same-host path against the faster of Mooncake and NIXL
@@ -251,7 +277,7 @@ def targets(rows: list[Row], size: int = 64 * MIB) -> dict[str, Any]:
     direct = at.get(direct_name)
     libraries = [at[v] for v in ("mooncake (tcp)", "nixl (ucx)") if v in at]
     ceiling = at.get("memcpy (ceiling)") or at.get("device copy (ceiling)")
-    result: dict[str, Any] = {"size": _label(size)}
+    result: Targets = {"size": _label(size)}
     if direct and libraries:
         result["direct_vs_best_library"] = round(direct / max(libraries), 2)
     if direct and ceiling:

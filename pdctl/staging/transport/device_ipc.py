@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import base64
 import threading
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -47,6 +47,15 @@ def mechanism(device_type: str) -> str | None:
     return name if available else None
 
 
+class IpcHandle(TypedDict):
+    """A JSON handle to a tensor's bytes for a process on this host (`export`)."""
+
+    kind: str  # the mechanism (`MECHANISMS`)
+    storage: list[Any]  # the allocation's share parts as torch gives them, bytes as {"b64": ...}
+    offset: int  # bytes into the allocation
+    length: int
+
+
 def _encode(value: Any) -> Any:
     if isinstance(value, bytes):
         return {"b64": base64.b64encode(value).decode()}
@@ -59,19 +68,17 @@ def _decode(value: Any) -> Any:
     return value
 
 
-def export(tensor: torch.Tensor) -> dict[str, Any] | None:
+def export(tensor: torch.Tensor) -> IpcHandle | None:
     """A JSON handle to `tensor`'s bytes for a process on this host, or None."""
     kind = mechanism(tensor.device.type)
     if kind is None:
         return None
     storage = tensor.untyped_storage()
     shared = storage._share_cuda_()  # cuda-only: the handle torch.multiprocessing sends
-    return {
-        "kind": kind,
-        "storage": [_encode(part) for part in shared],
-        "offset": tensor.storage_offset() * tensor.element_size(),
-        "length": tensor.numel() * tensor.element_size(),
-    }
+    parts = [_encode(part) for part in shared]
+    offset = int(tensor.storage_offset()) * tensor.element_size()
+    length = tensor.numel() * tensor.element_size()
+    return IpcHandle(kind=kind, storage=parts, offset=offset, length=length)
 
 
 class Mapped:
@@ -81,7 +88,7 @@ class Mapped:
         self._storages: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 
-    def open(self, handle: dict[str, Any]) -> torch.Tensor:
+    def open(self, handle: IpcHandle) -> torch.Tensor:
         """The peer's region as a uint8 tensor of this process (raises on failure)."""
         if handle.get("kind") != "cuda-ipc":
             raise RuntimeError(f"no IPC for {handle.get('kind')!r} handles here")

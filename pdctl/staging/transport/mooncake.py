@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 from pdctl.staging.descriptors import xpu_pointer_type
 from pdctl.staging.transport.base import (
@@ -83,7 +83,14 @@ def tent_requested(env: Mapping[str, str] | None = None) -> str | None:
     return next((name for name in TENT_VARIABLES if name in found), None)
 
 
-def probe_engine(env: Mapping[str, str], timeout: float = 60.0) -> dict[str, Any]:
+class EngineProbe(TypedDict):
+    """Which implementation a Transfer Engine ran, and the line of its log that shows it."""
+
+    implementation: str  # "tent", "classic" or "unknown" (it did not start)
+    evidence: str
+
+
+def probe_engine(env: Mapping[str, str], timeout: float = 60.0) -> EngineProbe:
     """Which implementation a Transfer Engine runs under `env`, from the engine itself:
     `implementation` is "tent", "classic" or "unknown" (it did not start), with the
     log line that shows it. The child binds only loopback and exits at once."""
@@ -110,6 +117,13 @@ def probe_engine(env: Mapping[str, str], timeout: float = 60.0) -> dict[str, Any
         }
     tail = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
     return {"implementation": "unknown", "evidence": f"the engine did not start: {tail[-200:]}"}
+
+
+class MooncakeDescription(TypedDict):
+    """What a peer needs to reach this endpoint's engine (`Transport.describe`)."""
+
+    session: str  # host:port of the engine's handshake
+    protocol: str
 
 
 class MooncakeTransport(Transport):
@@ -149,8 +163,8 @@ class MooncakeTransport(Transport):
     def _deregister(self, region: MemoryRegion) -> None:
         self.engine.unregister_memory(region.ptr)
 
-    def _describe(self) -> dict[str, Any]:
-        return {"session": self.session, "protocol": self.protocol}
+    def _describe(self) -> MooncakeDescription:
+        return MooncakeDescription(session=self.session, protocol=self.protocol)
 
     def _connect(self, name: str, regions: list[MemoryRegion], info: dict[str, Any]) -> Peer:
         session = info.get("session")

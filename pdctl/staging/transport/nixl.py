@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -86,6 +86,13 @@ class NixlHandle(TransferHandle):
         return f"{name}: NIXL write to {self.peer.label} did not complete within {timeout:g} s"
 
 
+class NixlDescription(TypedDict):
+    """What a peer needs to add this endpoint's agent (`Transport.describe`)."""
+
+    agent: str
+    metadata: str  # the agent's metadata, base64
+
+
 class NixlTransport(Transport):
     name = "nixl"
 
@@ -148,9 +155,9 @@ class NixlTransport(Transport):
         if descs is not None:
             self.agent.deregister_memory(descs)
 
-    def _describe(self) -> dict[str, Any]:
-        metadata = self.agent.get_agent_metadata()
-        return {"agent": self.agent_name, "metadata": base64.b64encode(metadata).decode()}
+    def _describe(self) -> NixlDescription:
+        metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
+        return NixlDescription(agent=self.agent_name, metadata=metadata)
 
     def _connect(self, name: str, regions: list[MemoryRegion], info: dict[str, Any]) -> Peer:
         try:

@@ -21,12 +21,40 @@ import hashlib
 import json
 import os
 import sys
-from typing import Any
+from typing import TypedDict
 
 import torch
 
 from pdctl.staging.settings import RUN_SECRET_VAR, run_secret
 from pdctl.staging.transport import TransportConfig, TransportError, create_transport
+
+
+class Hello(TypedDict):
+    """The peer's first line: how to reach it, where its buffer starts, its process."""
+
+    description: str  # the transport's description, base64
+    base: int
+    pid: int
+
+
+class Command(TypedDict, total=False):
+    """One command line (see the module docstring)."""
+
+    cmd: str
+    offset: int  # digest
+    length: int  # digest
+    message: str  # wait: the notification, hex
+    timeout: float  # wait
+    value: int  # fill
+
+
+class Reply(TypedDict, total=False):
+    """The answer to one command: one of these keys."""
+
+    sha256: str
+    peer: str
+    error: str
+    ok: bool
 
 
 def run(args: argparse.Namespace) -> None:
@@ -47,21 +75,19 @@ def run(args: argparse.Namespace) -> None:
     buffer = torch.zeros(args.size, dtype=torch.uint8, device=args.device)  # [size], pages touched
     transport.register_tensor(buffer)
     base = buffer.data_ptr()
-    hello = {
-        "description": base64.b64encode(transport.describe()).decode(),
-        "base": base,
-        "pid": os.getpid(),
-    }
+    description = base64.b64encode(transport.describe()).decode()
+    hello = Hello(description=description, base=base, pid=os.getpid())
     print(json.dumps(hello), file=protocol, flush=True)
     for line in sys.stdin:
-        command: dict[str, Any] = json.loads(line)
+        command: Command = json.loads(line)
         kind = command.get("cmd")
         if kind == "exit":
             break
+        reply: Reply
         if kind == "digest":
             start, length = int(command["offset"]), int(command["length"])
             data = buffer[start : start + length].cpu().numpy().tobytes()
-            reply: dict[str, Any] = {"sha256": hashlib.sha256(data).hexdigest()}
+            reply = {"sha256": hashlib.sha256(data).hexdigest()}
         elif kind == "wait":
             try:
                 found = transport.wait_notification(
@@ -114,39 +140,23 @@ class PeerProcess:
         import tempfile
 
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
-        argv = [
-            sys.executable,
-            "-m",
-            "pdctl.staging.transport.peer",
-            "--backend",
-            backend,
-            "--size",
-            str(size),
-            "--device",
-            device,
-            "--name",
-            name,
-            "--timeout",
-            str(timeout),
-        ]
+        argv = [sys.executable, "-m", "pdctl.staging.transport.peer", "--backend", backend]
+        argv += ["--size", str(size), "--device", device, "--name", name, "--timeout", str(timeout)]
         if not fast_path:
             argv.append("--no-fast-path")
         env = {**os.environ, RUN_SECRET_VAR: secret.decode()}
+        pipe = subprocess.PIPE
         self.proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            env=env,
-            start_new_session=True,
+            argv, stdin=pipe, stdout=pipe, stderr=self.log, env=env, start_new_session=True
         )
         self._pending = b""
-        hello = self._read(start_timeout)
+        hello: Hello = json.loads(self._line(start_timeout))
         self.description = base64.b64decode(hello["description"])
         self.base = int(hello["base"])
         self.pid = int(hello["pid"])
 
-    def _read(self, timeout: float) -> dict[str, Any]:
+    def _line(self, timeout: float) -> bytes:
+        """The peer's next line, waited for at most `timeout` seconds."""
         import select
         import time
 
@@ -166,24 +176,25 @@ class PeerProcess:
                     raise ConnectionError(f"the transport peer exited; {self.stderr_tail()}")
                 self._pending += chunk
         line, _, self._pending = self._pending.partition(b"\n")
-        value: dict[str, Any] = json.loads(line)
-        return value
+        return line
 
     def stderr_tail(self, size: int = 2000) -> str:
         self.log.seek(0)
         text = self.log.read().decode(errors="replace")
         return "its stderr ends: " + text[-size:]
 
-    def command(self, read_timeout: float = 60.0, **command: Any) -> dict[str, Any]:
+    def command(self, read_timeout: float = 60.0, **command: object) -> Reply:
+        """Send one command (its keys as keywords: `Command`); its reply."""
         assert self.proc.stdin is not None
         self.proc.stdin.write((json.dumps(command) + "\n").encode())
         self.proc.stdin.flush()
-        return self._read(read_timeout)
+        reply: Reply = json.loads(self._line(read_timeout))
+        return reply
 
     def sha256(self, offset: int, length: int) -> str:
         return str(self.command(cmd="digest", offset=offset, length=length)["sha256"])
 
-    def wait_notification(self, message: bytes, timeout: float) -> dict[str, Any]:
+    def wait_notification(self, message: bytes, timeout: float) -> Reply:
         return self.command(timeout + 10, cmd="wait", message=message.hex(), timeout=timeout)
 
     def kill(self) -> None:

@@ -25,7 +25,7 @@ import select
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import numpy as np
 
@@ -48,6 +48,15 @@ from pdctl.staging.transport.pool import WritePool
 from pdctl.staging.transport.tcp_server import Listener, RegionTable
 
 MAX_CONNECTIONS_PER_PEER = 8
+
+
+class TcpDescription(TypedDict):
+    """What a peer needs to reach this endpoint, besides the regions (`Transport.describe`)."""
+
+    host: str
+    port: int
+    host_id: str  # peers with the same write here directly (`fastpath`)
+    device_ipc: dict[str, device_ipc.IpcHandle]  # region address -> its device IPC handle
 
 
 def _used(found: np.ndarray) -> list[int]:
@@ -129,17 +138,9 @@ class TcpTransport(Transport):
     def __init__(self, config: TransportConfig) -> None:
         super().__init__(config)
         self.table = RegionTable()
-        self.listener = Listener(
-            config.name,
-            config.host,
-            config.port,
-            config.secret,
-            self.table,
-            self.deliver,
-            config.connect_timeout_s,
-        )
+        self.listener = Listener(config, self.table, self.deliver)
         self.pool = WritePool("tcp")
-        self.ipc_handles: dict[int, dict[str, Any]] = {}  # region ptr -> its device IPC handle
+        self.ipc_handles: dict[int, device_ipc.IpcHandle] = {}  # region ptr -> its IPC handle
         self.mapped = device_ipc.Mapped()  # peers' device allocations opened here
         self._copy_streams: dict[str, Any] = {}  # device -> the stream device writes run on
         self._pools: dict[str, queue.LifoQueue[Connection]] = {}
@@ -168,14 +169,10 @@ class TcpTransport(Transport):
         self.ipc_handles.pop(region.ptr, None)
         self.table.remove(region, self.config.transfer_timeout_s)
 
-    def _describe(self) -> dict[str, Any]:
+    def _describe(self) -> TcpDescription:
         ipc = {str(ptr): handle for ptr, handle in self.ipc_handles.items()}
-        return {
-            "host": self.config.host,
-            "port": self.port,
-            "host_id": fastpath.host_id(),
-            "device_ipc": ipc,
-        }
+        host, host_id = self.config.host, fastpath.host_id()
+        return TcpDescription(host=host, port=self.port, host_id=host_id, device_ipc=ipc)
 
     # -- connections -------------------------------------------------------------
     def _connect(self, name: str, regions: list[MemoryRegion], info: dict[str, Any]) -> Peer:
@@ -226,8 +223,8 @@ class TcpTransport(Transport):
             handle = handles.get(str(region.ptr))
             if not isinstance(handle, dict):
                 continue
-            try:
-                opened[region.ptr] = self.mapped.open(handle)
+            try:  # a peer's handle, as it sent it: `open` raises where it is not one
+                opened[region.ptr] = self.mapped.open(cast(device_ipc.IpcHandle, handle))
             except (RuntimeError, KeyError, TypeError, ValueError):
                 return {}  # another device mask, or no IPC: every byte staged, as before
         return opened

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from pdctl.staging.transport import fastpath, wire
-from pdctl.staging.transport.base import MemoryRegion, Notification
+from pdctl.staging.transport.base import MemoryRegion, Notification, TransportConfig
 
 RECV_CHUNK = 4 << 20
 
@@ -68,18 +68,18 @@ class Listener:
     """Accepts peers and runs one handler thread per connection."""
 
     def __init__(
-        self,
-        name: str,
-        host: str,
-        port: int,
-        secret: bytes,
-        table: RegionTable,
-        deliver: Callable[[Notification], None],
-        timeout: float,
+        self, config: TransportConfig, table: RegionTable, deliver: Callable[[Notification], None]
     ) -> None:
-        self.name, self.secret, self.table, self.deliver = name, secret, table, deliver
-        self.timeout = timeout
-        self.sock = socket.create_server((host, port), reuse_port=False)
+        """Listens on the config's host and port (0: a free one); a handshake is bounded by
+        its connect timeout, and peers prove they hold its secret."""
+        self.name, self.secret, self.table, self.deliver = (
+            config.name,
+            config.secret,
+            table,
+            deliver,
+        )
+        self.timeout = config.connect_timeout_s
+        self.sock = socket.create_server((config.host, config.port), reuse_port=False)
         self.sock.settimeout(0.25)
         self.port = self.sock.getsockname()[1]
         self.probe = ctypes.create_string_buffer(16)  # the fast-path probe cell

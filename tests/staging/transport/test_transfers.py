@@ -202,7 +202,8 @@ def test_every_transport_accepts_slot_layer_ids(backend) -> None:
         k = [torch.zeros(64, 2, 8) for _ in range(2)]
         v = [torch.zeros(64, 2, 8) for _ in range(2)]
         regions = writer.set_kv_buffer_tensors(k, v, 16, slot_layer_ids=[0, 1])
-        assert len(regions) == 4 and writer.kv_layout["slot_layer_ids"] == [0, 1]
-        assert writer.kv_layout["page_size"] == 16
+        assert writer.kv_layout is not None
+        assert len(regions) == 4 and writer.kv_layout.slot_layer_ids == [0, 1]
+        assert writer.kv_layout.page_size == 16
     finally:
         writer.close()
