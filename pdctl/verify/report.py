@@ -8,12 +8,15 @@ import platform
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from pdctl import __version__
 from pdctl.errors import PdctlError
+from pdctl.records import JSONValue
 from pdctl.verify.diagnose import Finding
 from pdctl.verify.passes import PASS_NAMES, PassResult
+from pdctl.verify.targets import TargetRecord
+from pdctl.verify.workload import PromptRecord
 
 SCHEMA_VERSION = 1
 # scenarios checked across the passes, and the findings that fail each
@@ -48,17 +51,51 @@ def versions() -> dict[str, str | None]:
     return found
 
 
+class SettingsRecord(TypedDict, total=False):
+    """The settings verify ran with (none when it never started)."""
+
+    max_new_tokens: int
+    concurrency: int
+    prefix_hit: bool
+    reference: bool
+    serial_compare: bool
+    near_tie_margin: float
+    near_tie_fails: bool
+    deterministic: bool
+    compute_dtype: str | None
+    engine: str
+    transfer_proof: str | None  # the engine's accounting that proves a transfer
+    timeout_s: float
+    faults: list[dict[str, JSONValue]]
+
+
+class WorkloadRecord(TypedDict, total=False):
+    seed: int
+    count: int
+    vocab_size: int
+    prompts: list[PromptRecord]
+
+
+class EnvRecord(TypedDict):
+    """One variable of a process's environment as the plan shows it (secrets hidden)."""
+
+    name: str
+    value: str
+    source: str
+    overrides: str | None
+
+
 @dataclass
 class Report:
     verdict: str  # pass | fail | error | skipped
-    target: dict[str, Any]
-    settings: dict[str, Any]
-    workload: dict[str, Any]
+    target: TargetRecord
+    settings: SettingsRecord
+    workload: WorkloadRecord
     passes: list[PassResult] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     blocking: list[Finding] = field(default_factory=list)
-    topology: dict[str, Any] | None = None
-    environment: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    topology: dict[str, JSONValue] | None = None  # the topology as verify ran it
+    environment: dict[str, list[EnvRecord]] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     logs: dict[str, str] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)

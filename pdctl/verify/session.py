@@ -26,7 +26,7 @@ from pdctl.topology import load_text
 from pdctl.topology.model import Topology, VerifySpec
 from pdctl.verify.client import ServedModel, served_model
 from pdctl.verify.passes import Settings
-from pdctl.verify.report import Report
+from pdctl.verify.report import EnvRecord, Report, SettingsRecord
 from pdctl.verify.runner import blocking, run_passes
 from pdctl.verify.targets import LaunchedTarget, RunningTarget, Target, url_target
 from pdctl.verify.workload import Shape, build
@@ -107,7 +107,7 @@ def settings_of(
     return settings, count, seed
 
 
-def _env_of(plan: LaunchPlan) -> dict[str, list[dict[str, Any]]]:
+def _env_of(plan: LaunchPlan) -> dict[str, list[EnvRecord]]:
     return {
         process.name: [
             {"name": e.name, "value": e.shown(), "source": e.source, "overrides": e.overrides}
@@ -173,7 +173,7 @@ def _new_report(settings: Settings, topology: Topology | None, count: int, seed:
     )
 
 
-def _settings_json(settings: Settings, topology: Topology | None) -> dict[str, Any]:
+def _settings_json(settings: Settings, topology: Topology | None) -> SettingsRecord:
     return {
         "max_new_tokens": settings.max_new_tokens,
         "concurrency": settings.concurrency,

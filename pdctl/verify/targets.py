@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import Any
+from typing import TypedDict
 
 import httpx
 
@@ -26,6 +26,16 @@ from pdctl.launch.plan import LaunchPlan, load_checked, make_plan
 from pdctl.launch.run import Run
 from pdctl.records import ServerInfo
 from pdctl.topology.issues import TopologyError
+
+
+class TargetRecord(TypedDict, total=False):
+    """What verify spoke to: a URL, a topology it launched, or a run already up."""
+
+    mode: str  # url | launched | running
+    router_url: str | None
+    topology: str
+    file: str
+    run: str
 
 
 class NoReference(Exception):
@@ -66,7 +76,7 @@ class Target:
     def check_alive(self) -> None:
         """Raise LaunchError naming a role that is not running any more."""
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> TargetRecord:
         return {"mode": self.mode, "router_url": self.router_url}
 
     def logs(self) -> dict[str, str]:
@@ -151,7 +161,7 @@ class LaunchedTarget(Target):
     def logs(self) -> dict[str, str]:
         return {s.plan.name: str(s.spawned.log_path) for s in self.run.states if s.spawned}
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> TargetRecord:
         return {
             "mode": self.mode,
             "topology": self.run.plan.topology.name,
@@ -202,7 +212,7 @@ class RunningTarget(Target):
     def logs(self) -> dict[str, str]:
         return {p["name"]: p["log"] for p in self.state.data.get("processes", []) if p.get("log")}
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> TargetRecord:
         return {
             "mode": self.mode,
             "run": self.state.name,

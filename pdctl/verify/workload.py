@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import base64
 import random
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from pdctl.core import MODEL_PRESETS, ModelShape, read_checkpoint_shape
 from pdctl.engines.dialect import PromptBody
@@ -24,6 +24,18 @@ TEXTS = (
     "Prefill computes the prompt; decode generates the answer, one token at a time.",
     "A radix cache reuses the pages of a shared prefix across requests.",
 )
+
+
+class PromptRecord(TypedDict):
+    """A prompt in a report."""
+
+    id: str
+    kind: str
+    input_ids: None  # regenerated from the seed
+    text: str | None
+    family: str | None
+    images: int  # how many (regenerated from the seed)
+    length: int
 
 
 @dataclass(frozen=True)
@@ -47,13 +59,18 @@ class Prompt:
             body["images"] = list(self.images)
         return body
 
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["length"] = self.length
-        data["images"] = len(self.images)  # regenerated from the seed, like the ids
-        if self.input_ids is not None:
-            data["input_ids"] = None  # the ids are regenerated from the seed; keep reports small
-        return data
+    def to_json(self) -> PromptRecord:
+        """The prompt as a report lists it: its ids and images are regenerated from the
+        seed, so a report stays small (the number of images kept)."""
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "input_ids": None,
+            "text": self.text,
+            "family": self.family,
+            "images": len(self.images),
+            "length": self.length,
+        }
 
 
 @dataclass(frozen=True)
