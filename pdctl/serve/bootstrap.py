@@ -24,9 +24,9 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
@@ -54,13 +54,24 @@ TOMBSTONE_S = 300.0
 PURGE_EVERY_S = 1.0
 
 
+class FirstToken(TypedDict):
+    """The first token prefill chose for a room, which decode fetches
+    (`/bootstrap/result`): the answer begins with it."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top logprobs: (token, logprob)
+    logit: float | None
+    cached_tokens: int  # prompt tokens prefill found in its prefix cache
+
+
 @dataclass
 class Room:
     room: int
     created: float = field(default_factory=time.monotonic)
     started: bool = False  # the prefill request arrived
     registrations: dict[int, Registration] = field(default_factory=dict)
-    result: dict[str, Any] | None = None
+    result: FirstToken | None = None
     closed: str | None = None  # "finished" or "failed: ..."
     sent: dict[int, dict[str, Any]] = field(default_factory=dict)  # prefill rank -> report
     handed: bool = False  # given to prefill's writers (senders, an early write)
@@ -73,7 +84,7 @@ class Room:
 
 
 class Rooms:
-    def __init__(self, layout: dict[str, Any], expiry_s: float) -> None:
+    def __init__(self, layout: Mapping[str, int], expiry_s: float) -> None:
         self.layout = layout  # what registrations must match: page_size, num_layers, ...
         self.expiry_s = expiry_s
         self._rooms: dict[int, Room] = {}
@@ -151,7 +162,7 @@ class Rooms:
             self._changed.notify_all()
         self._changed_room(room)
 
-    def set_result(self, room: int, result: dict[str, Any]) -> None:
+    def set_result(self, room: int, result: FirstToken) -> None:
         with self._changed:
             self._room(room).result = result
             self._changed.notify_all()
@@ -321,7 +332,7 @@ def add_registration_routes(app: FastAPI, rooms: Rooms) -> None:
     """Decode's side: a rank registers a room, then offers more ring regions."""
 
     @app.post("/bootstrap/register")
-    async def register(request: HttpRequest) -> dict[str, Any]:
+    async def register(request: HttpRequest) -> dict[str, bool]:
         try:
             registration = Registration.from_json(await request.json())
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
@@ -330,7 +341,7 @@ def add_registration_routes(app: FastAPI, rooms: Rooms) -> None:
         return {"ok": True}
 
     @app.post("/bootstrap/segments")
-    async def segments(request: HttpRequest) -> dict[str, Any]:
+    async def segments(request: HttpRequest) -> dict[str, bool]:
         try:
             body = await json_object(request)
             if not isinstance(body.get("segments"), list) or len(body["segments"]) > 4096:
@@ -368,7 +379,7 @@ def add_room_routes(app: FastAPI, rooms: Rooms) -> None:
         return rooms.snapshot(room)
 
     @app.post("/bootstrap/fail")
-    async def fail(request: HttpRequest) -> dict[str, Any]:
+    async def fail(request: HttpRequest) -> dict[str, bool]:
         """Decode gave up on a room (failure or abort): prefill stops sending it."""
         try:
             body = await json_object(request)
@@ -381,7 +392,7 @@ def add_room_routes(app: FastAPI, rooms: Rooms) -> None:
         return {"ok": True}
 
     @app.post("/bootstrap/fence")
-    async def fence(request: HttpRequest) -> dict[str, Any]:
+    async def fence(request: HttpRequest) -> dict[str, list[int]]:
         """Decode holds these rooms' memory: close them, answer which are quiet (every
         prefill writer of theirs stopped), waiting up to `wait` s for one to be."""
         try:
@@ -426,7 +437,7 @@ def add_embedding_routes(app: FastAPI, embeddings: EmbeddingReceiver) -> None:
         return await asyncio.to_thread(embeddings.alloc, room, rows, hidden, dtype)
 
     @app.post("/bootstrap/embedding/sent")
-    async def embedding_sent(request: HttpRequest) -> dict[str, Any]:
+    async def embedding_sent(request: HttpRequest) -> dict[str, bool]:
         try:
             body = await json_object(request)
             room, digest = json_int(body, "room"), json_int(body, "digest")

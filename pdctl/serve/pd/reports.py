@@ -51,13 +51,8 @@ class RankReport:
         error = data.get("error")
         if not data["ok"] and not isinstance(error, str):
             raise ValueError("a failed report needs its error as text")
-        values: dict[str, Any] = {}
-        for name in (*COUNTS, *TIMES):
-            value = data.get(name, 0)
-            kinds = (int,) if name in COUNTS else (int, float)
-            if not isinstance(value, kinds) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a non-negative number")
-            values[name] = value
+        num_bytes, segments = (_count(data, name) for name in COUNTS)
+        transfer_ms, write_ms, gather_ms, digest_ms = (_time(data, name) for name in TIMES)
         staging = data.get("staging", False)
         if not isinstance(staging, bool):
             raise ValueError("staging must be true or false")
@@ -65,9 +60,21 @@ class RankReport:
         if notice not in ("", "bell", "message"):
             raise ValueError("notice must be 'bell' or 'message'")
         text = error[:2000] if isinstance(error, str) else None
-        return RankReport(rank, data["ok"], text, staging=staging, notice=notice, **values)
+        return RankReport(
+            rank,
+            data["ok"],
+            text,
+            bytes=num_bytes,
+            segments=segments,
+            staging=staging,
+            notice=notice,
+            transfer_ms=transfer_ms,
+            write_ms=write_ms,
+            gather_ms=gather_ms,
+            digest_ms=digest_ms,
+        )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:  # only ever serialized
         out = {
             "rank": self.rank,
             "ok": self.ok,
@@ -76,6 +83,22 @@ class RankReport:
             "notice": self.notice,
         }
         return {**out, **{name: getattr(self, name) for name in (*COUNTS, *TIMES)}}
+
+
+def _count(data: Any, name: str) -> int:
+    """A report's count: a non-negative integer, 0 when absent."""
+    value = data.get(name, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative number")
+    return value
+
+
+def _time(data: Any, name: str) -> float:
+    """A report's time in ms: a non-negative number (an integer stays one), 0 when absent."""
+    value = data.get(name, 0)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative number")
+    return value
 
 
 def combine(reports: list[RankReport], transport: str, side: str) -> KVTransfer:

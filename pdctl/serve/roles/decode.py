@@ -236,7 +236,7 @@ def run(rank: Rank) -> None:
         max_context=rank.max_context,
         info=server_info(rank),
         extra_info=lambda: {
-            "staging_ring": ring_state(hooks.receiver),
+            "staging_ring": ring_state(hooks.receiver).to_json(),
             "fence": fence_state(hooks).to_json(),
         },
         prepare=hooks.prepare,
@@ -244,7 +244,7 @@ def run(rank: Rank) -> None:
     serve(rank, context, [(create_app(context, internal_routes(hooks)), args.host, args.port)])
 
 
-def ring_state(receiver: KVReceiver) -> dict[str, Any]:
+def ring_state(receiver: KVReceiver) -> RingState:
     allocator = receiver.ring.allocator
     watermark = allocator.watermark
     return RingState(
@@ -252,7 +252,7 @@ def ring_state(receiver: KVReceiver) -> dict[str, Any]:
         live_regions=allocator.num_live,
         empty=allocator.is_empty,
         watermark=[watermark.round, watermark.tail],
-    ).to_json()
+    )
 
 
 def fence_state(hooks: DecodeHooks) -> FenceState:

@@ -22,6 +22,7 @@ import base64
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,6 +76,23 @@ def encoder_model(rank: Rank) -> EncoderModel:
     )
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where a request's embeddings go: prefill's bootstrap endpoint and the room."""
+
+    bootstrap: str  # http://host:port
+    room: int
+
+
+@dataclass(frozen=True)
+class EmbeddingSlot:
+    """The slot prefill's pool gave a request's embeddings (`/bootstrap/embedding/alloc`)."""
+
+    bytes: int
+    ptr: int  # where in prefill's registered pool
+    transport: str  # prefill's transport description (base64)
+
+
 class EncodeFailed(Exception):
     def __init__(self, message: str, status: int = 502) -> None:
         super().__init__(message)
@@ -103,7 +121,7 @@ class Encoder:
         self.lock = threading.Lock()  # one request at a time uses the model and the buffer
         self.counters = {"requests": 0, "images": 0, "failed": 0, "bytes": 0}
 
-    def encode(self, body: GenerateBody, images: list[Any], target: dict[str, Any]) -> Any:
+    def encode(self, body: GenerateBody, images: list[Any], target: Target) -> Any:
         with self.lock:
             started = time.perf_counter()
             ids, items, rows = encode_prompt(
@@ -119,7 +137,7 @@ class Encoder:
         return {
             "input_ids": ids,
             "mm_items": items,
-            "embedding_room": target["room"],
+            "embedding_room": target.room,
             "embedding_transfer": {
                 "num_image_tokens": int(rows.shape[0]),
                 "bytes": rows.numel() * rows.element_size(),
@@ -131,7 +149,7 @@ class Encoder:
             },
         }
 
-    def _send(self, rows: torch.Tensor, target: dict[str, Any]) -> int:
+    def _send(self, rows: torch.Tensor, target: Target) -> int:
         """Write `rows` into prefill's pool; the digest prefill checked them against."""
         nbytes = rows.numel() * rows.element_size()
         if nbytes > self.buffer.nbytes:
@@ -146,18 +164,18 @@ class Encoder:
         if faults().hit("corrupt-embedding") is not None:  # after the digest: prefill must notice
             staged[nbytes // 2] ^= 0xFF
         src, length = synchronize_before_send(staged)
-        self._transfer(self._client(target["bootstrap"]), target["room"], rows, src, length, digest)
+        self._transfer(self._client(target.bootstrap), target.room, rows, src, length, digest)
         return digest
 
     def _transfer(
         self, client: Client, room: int, rows: torch.Tensor, src: int, length: int, digest: int
     ) -> None:
         slot = self._slot(client, room, rows)
-        if int(slot["bytes"]) != length:
-            raise EncodeFailed(f"prefill offered {slot['bytes']} bytes for {length}")
-        peer = self._peer(slot["transport"])
+        if slot.bytes != length:
+            raise EncodeFailed(f"prefill offered {slot.bytes} bytes for {length}")
+        peer = self._peer(slot.transport)
         try:
-            self.transport.write(peer, [src], [int(slot["ptr"])], [length])
+            self.transport.write(peer, [src], [slot.ptr], [length])
         except Exception as exc:  # the transport names the peer and the failure
             raise EncodeFailed(f"writing embeddings to prefill failed: {exc}") from None
         try:
@@ -165,7 +183,7 @@ class Encoder:
         except PeerCallError as exc:
             raise EncodeFailed(str(exc), status=exc.status or 502) from None
 
-    def _slot(self, client: Client, room: int, rows: torch.Tensor) -> dict[str, Any]:
+    def _slot(self, client: Client, room: int, rows: torch.Tensor) -> EmbeddingSlot:
         body = {
             "room": room,
             "num_tokens": int(rows.shape[0]),
@@ -175,8 +193,8 @@ class Encoder:
         deadline = time.monotonic() + self.args.bootstrap_timeout
         while True:
             try:
-                slot: dict[str, Any] = client.call("POST", "/bootstrap/embedding/alloc", json=body)
-                return slot
+                slot = client.call("POST", "/bootstrap/embedding/alloc", json=body)
+                return EmbeddingSlot(int(slot["bytes"]), int(slot["ptr"]), slot["transport"])
             except PeerCallError as exc:
                 if exc.status != 503 or time.monotonic() > deadline:
                     raise EncodeFailed(str(exc), status=exc.status or 502) from None
@@ -210,7 +228,7 @@ def encoder_app(encoder: Encoder, rank: Rank) -> FastAPI:
         return {**info, "encoder": dict(encoder.counters)}
 
     @app.get("/get_model_info")
-    async def model_info() -> dict[str, Any]:
+    async def model_info() -> dict[str, str | int | bool]:
         return {"model_path": rank.model_name, "vocab_size": encoder.vocab, "is_encoder": True}
 
     @app.post("/encode")
@@ -233,7 +251,7 @@ def encoder_app(encoder: Encoder, rank: Rank) -> FastAPI:
             return JSONResponse(error_body(f"encoder: {exc}", exc.field), status_code=400)
         except (ValueError, KeyError, TypeError, RecursionError, UnicodeDecodeError) as exc:
             return JSONResponse(error_body(f"encoder: bad request: {exc}"), status_code=400)
-        target = {"bootstrap": f"http://{host}:{port}", "room": room}
+        target = Target(f"http://{host}:{port}", room)
         faults().request_arrived()  # kill-role (role=encoder); off unless asked for
         try:
             return await asyncio.to_thread(encoder.encode, body, images, target)

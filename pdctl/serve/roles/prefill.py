@@ -13,6 +13,7 @@ for before it hands the room's memory out again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from pdctl.serve.api.app import create_app
 from pdctl.serve.api.errors import BadRequest
 from pdctl.serve.api.submission import ServerContext
 from pdctl.serve.args import ServerArgs
-from pdctl.serve.bootstrap import BootstrapError, Rooms, bootstrap_app
+from pdctl.serve.bootstrap import BootstrapError, FirstToken, Rooms, bootstrap_app
 from pdctl.serve.engine.loop import Engine
 from pdctl.serve.engine.request import Event, Request
 from pdctl.serve.engine.sampling import TokenChoice
@@ -65,7 +66,7 @@ def make_sender(rank: Rank, snapshot: Snapshot, report: Report) -> KVSender:
     )
 
 
-def layout_of(rank: Rank) -> dict[str, Any]:
+def layout_of(rank: Rank) -> dict[str, int]:
     """What every decode rank's registration must agree with."""
     return {
         "page_size": rank.args.page_size,
@@ -161,13 +162,13 @@ class PrefillHooks:
             return
         self.rooms.set_result(
             room,
-            {
-                "token": choice.token,
-                "logprob": choice.logprob,
-                "top": choice.top,
-                "logit": choice.logit,
-                "cached_tokens": request.cached_tokens,
-            },
+            FirstToken(
+                token=choice.token,
+                logprob=choice.logprob,
+                top=choice.top,
+                logit=choice.logit,
+                cached_tokens=request.cached_tokens,
+            ),
         )
         pages = self.engine.scheduler.prompt_pages(request)
         with self.lock:
@@ -216,9 +217,10 @@ class PrefillHooks:
             self.engine.unfence(room)
         self.engine.transferred(done.entry, f"prefill: {errors[0]}" if errors else None, info)
 
-    def sent(self) -> dict[str, Any]:
+    def sent(self) -> KVSent:
+        """A copy of what was sent so far."""
         with self.lock:
-            return self.sent_totals.to_json()
+            return dataclasses.replace(self.sent_totals)
 
 
 def run(rank: Rank) -> None:
@@ -255,7 +257,7 @@ def run(rank: Rank) -> None:
             "fence": fence_state(engine).to_json(),
             "bootstrap_port": args.bootstrap_port,
             "open_rooms": rooms.open_rooms(),
-            "kv_sent": hooks.sent(),
+            "kv_sent": hooks.sent().to_json(),
             "embeddings": hooks.embeddings.state() if hooks.embeddings else None,
         },
         prepare=hooks.prepare,
