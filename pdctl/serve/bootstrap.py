@@ -43,7 +43,6 @@ from pdctl.serve.pd.protocol import (
     json_int,
     segment_from_json,
 )
-from pdctl.serve.pd.reports import RankReport
 from pdctl.serve.pd.room_state import RoomWait
 
 TOMBSTONE_S = 300.0
@@ -73,7 +72,6 @@ class Room:
     registrations: dict[int, Registration] = field(default_factory=dict)
     result: FirstToken | None = None
     closed: str | None = None  # "finished" or "failed: ..."
-    sent: dict[int, dict[str, Any]] = field(default_factory=dict)  # prefill rank -> report
     handed: bool = False  # given to prefill's writers (senders, an early write)
     stopped: bool = False  # every writer it was handed to ended
 
@@ -90,7 +88,6 @@ class Rooms:
         self._rooms: dict[int, Room] = {}
         self._purged_at = 0.0
         self._changed = threading.Condition()
-        self.on_sent: Callable[[int, dict[str, Any]], None] | None = None  # a prefill rank reported
         # registrations, offers or the room's end changed (prefill ranks > 0 learn of it)
         self.on_change: Callable[[int], None] | None = None
 
@@ -167,13 +164,6 @@ class Rooms:
             self._room(room).result = result
             self._changed.notify_all()
 
-    def report_sent(self, room: int, rank: int, report: dict[str, Any]) -> None:
-        with self._changed:
-            self._room(room).sent[rank] = report
-            self._changed.notify_all()
-        if self.on_sent is not None:
-            self.on_sent(room, report)
-
     def fail(self, room: int, reason: str) -> None:
         """Decode's side failed: close the room unless it already finished."""
         with self._changed:
@@ -222,7 +212,7 @@ class Rooms:
             item.closed = how
             item.created = time.monotonic()
             # a tombstone (kept TOMBSTONE_S to refuse replays) needs no page lists
-            item.registrations, item.sent = {}, {}
+            item.registrations = {}
             self._changed.notify_all()
         self._changed_room(room)
 
@@ -322,7 +312,6 @@ ROUTES = {
     ("GET", "/bootstrap/result/{room}"): _internal(body=False),
     ("POST", "/bootstrap/fail"): _internal(),
     ("POST", "/bootstrap/fence"): _internal(),
-    ("POST", "/internal/sent"): _internal(),
     ("POST", "/bootstrap/embedding/alloc"): _internal(409, 503),
     ("POST", "/bootstrap/embedding/sent"): _internal(409, 410),
 }
@@ -355,7 +344,7 @@ def add_registration_routes(app: FastAPI, rooms: Rooms) -> None:
 
 
 def add_room_routes(app: FastAPI, rooms: Rooms) -> None:
-    """A room's state and result (long-polled), decode's failure, prefill ranks' reports."""
+    """A room's state and result (long-polled), decode's failure and fence."""
 
     @app.get("/bootstrap/room/{room}")
     async def room_state(
@@ -408,16 +397,6 @@ def add_room_routes(app: FastAPI, rooms: Rooms) -> None:
             raise BootstrapError(f"malformed fence: {exc}", 400) from None
         quiet = await asyncio.to_thread(rooms.fence, reasons, min(max(wait, 0.0), 30.0))
         return {"quiet": quiet}
-
-    @app.post("/internal/sent")
-    async def sent(request: HttpRequest) -> dict[str, Any]:
-        try:
-            body = await json_object(request)
-            room, rank = json_int(body, "room"), RankReport.from_json(body).rank
-        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
-            raise BootstrapError(f"malformed send report: {exc}", 400) from None
-        rooms.report_sent(room, rank, body)
-        return {"ok": True}
 
 
 def add_embedding_routes(app: FastAPI, embeddings: EmbeddingReceiver) -> None:

@@ -8,6 +8,8 @@ same forward, exchanging row-parallel partials with `gather`. Other operations
 serves them all. A second group on host memory (`publish` / `listen`) carries
 messages that arrive off the step protocol, from a thread of their own: prefill
 rank 0 tells its other ranks how decode registered each room (`pd/room_state.py`).
+A third one carries messages the other way (`report` / `collect`): each rank tells
+rank 0 it finished a room's KV (`pd/reports.py`).
 
     message  op | payload  (one int64 tensor through the shared file; by gloo a
                            header (op, size, 0, 0) then the payload)
@@ -36,6 +38,12 @@ from pdctl.serve.tp_ops import Op
 T = TypeVar("T")
 log = logging.getLogger("pdctl.serve")
 Handler = Callable[[torch.Tensor], None]
+REPORT_HEADER, REPORT_BODY = 1, 2  # the tags of a report's two messages
+# How long a rank waits for a message that comes whenever it comes (the next report):
+# as long as the server lives. gloo fails a wait that runs out by closing every
+# connection of its group, so an idle server must never reach the end of one (the
+# group's own timeout would, after 10 minutes).
+NO_DEADLINE = timedelta(days=3650)
 
 
 class TPGroup:
@@ -84,6 +92,10 @@ class TPGroup:
         # A second group, on host memory, for messages off the step protocol: rank 0
         # publishes from one thread, the others listen on one (see `publish`/`listen`).
         self.control = dist.new_group(backend="gloo", timeout=timeout)
+        # A third, for the other ranks' reports to rank 0 (see `report`/`collect`).
+        self.reports = dist.new_group(backend="gloo", timeout=timeout)
+        self._reporting = threading.Lock()  # a rank's reports go one at a time
+        self._reports_ended: set[int] = set()  # rank 0: ranks that report no more
 
     def gather(self, partials: torch.Tensor) -> torch.Tensor:
         local = partials.to("cpu") if self.via_host else partials.contiguous()
@@ -171,6 +183,36 @@ class TPGroup:
         if size:
             dist.broadcast(payload, src=0, group=self.control)
         return payload.numpy().tobytes()
+
+    def report(self, message: bytes | None) -> None:
+        """Ranks > 0, from any thread: send `message` to rank 0's `collect` (None: this
+        rank reports no more). A header (its size), then its bytes; one report at a
+        time, so rank 0 reads a rank's bytes right after its header."""
+        size = -1 if message is None else len(message)
+        header = torch.tensor([size], dtype=torch.int64)
+        with self._reporting:
+            dist.send(header, dst=0, group=self.reports, tag=REPORT_HEADER)
+            if message:
+                payload = torch.frombuffer(bytearray(message), dtype=torch.uint8)
+                dist.send(payload, dst=0, group=self.reports, tag=REPORT_BODY)
+
+    def collect(self) -> tuple[int, bytes] | None:
+        """Rank 0, from one thread only: the next message another rank reported, with
+        that rank (whichever comes first); None once every other rank reported its end.
+        Waits as long as it takes (`NO_DEADLINE`)."""
+        while len(self._reports_ended) < self.world - 1:
+            header = torch.empty(1, dtype=torch.int64)
+            work = self.reports.recv_anysource([header], REPORT_HEADER)
+            work.wait(NO_DEADLINE)
+            rank, size = work.source_rank(), int(header[0])
+            if size < 0:
+                self._reports_ended.add(rank)
+                continue
+            payload = torch.empty(size, dtype=torch.uint8)
+            if size:
+                dist.recv(payload, src=rank, group=self.reports, tag=REPORT_BODY)
+            return rank, payload.numpy().tobytes()
+        return None
 
     def close(self) -> None:
         if self.shared is not None:

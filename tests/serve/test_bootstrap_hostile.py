@@ -67,7 +67,7 @@ FIELDS = st.sampled_from(sorted(registration()))
 )
 @given(
     path=st.sampled_from(
-        ["/bootstrap/register", "/bootstrap/segments", "/bootstrap/fail", "/internal/sent"]
+        ["/bootstrap/register", "/bootstrap/segments", "/bootstrap/fail", "/bootstrap/fence"]
     ),
     body=JSON,
 )
@@ -130,6 +130,13 @@ def test_replays_other_layouts_and_closed_rooms(client: TestClient) -> None:
     segments = {"room": 99, "decode_rank": 0, "segments": []}
     unknown = client.post("/bootstrap/segments", json=segments, headers=AUTH)
     assert unknown.status_code == 410
+
+
+def test_rank_reports_have_no_route_here(client: TestClient) -> None:
+    """Prefill's other ranks report over the TP group (`pd/reports.py`), not to HTTP."""
+    report = {"room": 1, "rank": 1, "ok": True}
+    assert client.post("/internal/sent", json=report, headers=AUTH).status_code == 404
+    assert "/internal/sent" not in client.get("/openapi.json", headers=AUTH).json()["paths"]
 
 
 def test_a_peer_address_no_url_can_carry_is_a_peer_error_not_a_crash() -> None:

@@ -21,7 +21,7 @@ from pdctl.serve.api.errors import BadRequest, error_body
 from pdctl.serve.api.generate import add_generate
 from pdctl.serve.api.guards import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
 from pdctl.serve.api.models import add_models
-from pdctl.serve.api.openapi import Document, JsonObject, Route, describe
+from pdctl.serve.api.openapi import Document, Route, describe
 from pdctl.serve.api.submission import ServerContext
 
 
@@ -52,8 +52,6 @@ ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/completions"): Route(PD_STATUSES, streams=True),
     ("POST", "/v1/chat/completions"): Route(PD_STATUSES, streams=True),
     ("GET", "/v1/models/{model_id}"): Route((404,)),
-    # decode: prefill's rank reports, with the per-run secret
-    ("POST", "/internal/kv_ready"): Route((401,), internal=True, body=JsonObject),
 }
 
 

@@ -1,4 +1,4 @@
-"""HTTP calls between PD processes (bootstrap, internal reports), bounded and authenticated."""
+"""HTTP calls between PD processes (the bootstrap endpoint), bounded and authenticated."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def refuse_unless_authorized(request: Any, secret: bytes, endpoint: str) -> Any:
 def warn_if_no_secret(role: str, host: str) -> None:
     if not run_secret():
         log.warning(
-            "%s: %s is not set, so the bootstrap and internal endpoints accept "
-            "any client that can reach %s (pdctl up always sets it)",
+            "%s: %s is not set, so the bootstrap endpoints accept any client "
+            "that can reach %s (pdctl up always sets it)",
             role,
             RUN_SECRET_VAR,
             host,

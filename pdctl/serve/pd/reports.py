@@ -2,21 +2,28 @@
 
 Every rank of a prefill (sending) or decode (receiving) server moves its own head
 slice; rank 0 answers the request once all `tp` ranks reported. Rank 0's own report
-arrives as a call, the others' over HTTP (`/internal/sent` on prefill's bootstrap
-port, `/internal/kv_ready` on decode's API) as the same JSON plus the room.
-`RankReports` holds the rooms still waiting for ranks; `combine` makes the request's
-`KVTransfer` of them. It knows nothing of the engine or of HTTP.
+arrives as a call, the others' over the TP group (`TPGroup.report`, a channel of its
+own on host memory) as a `RoomReport`: `ReportSender` on each rank above 0,
+`ReportCollector` on rank 0, which hands each one to the same handler as rank 0's
+own. `RankReports` holds the rooms still waiting for ranks; `combine` makes the
+request's `KVTransfer` of them. It knows nothing of the engine or of HTTP.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from pdctl.records import KVTransfer
+from pdctl.serve.pd.protocol import json_int
 
 Entry = TypeVar("Entry")
+log = logging.getLogger("pdctl.serve")
 COUNTS = ("bytes", "segments")
 TIMES = ("transfer_ms", "write_ms", "gather_ms", "digest_ms")
 
@@ -164,3 +171,79 @@ class RankReports(Generic[Entry]):
             if len(pending.reports) < self.tp:
                 return None
             return self._pending.pop(room)
+
+
+@dataclass(frozen=True)
+class RoomReport:
+    """A rank's report of a room as it crosses the TP group: the report's JSON and the
+    room, checked again on arrival (`RankReport.from_json`)."""
+
+    room: int
+    report: RankReport
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"room": self.room, **self.report.to_json()}).encode()
+
+    @staticmethod
+    def from_bytes(message: bytes) -> RoomReport:
+        body = json.loads(message)
+        if not isinstance(body, dict):
+            raise ValueError("a rank report is a JSON object")
+        return RoomReport(json_int(body, "room"), RankReport.from_json(body))
+
+
+class ReportChannel(Protocol):
+    """The TP group's side of it (`TPGroup.report`, `TPGroup.collect`)."""
+
+    def report(self, message: bytes | None) -> None: ...
+
+    def collect(self) -> tuple[int, bytes] | None: ...
+
+
+class ReportSender:
+    """Ranks > 0: the sender's or receiver's `report`, each to rank 0 over the channel.
+
+    A report that does not check out raises here (ValueError), as rank 0 would refuse
+    it: the caller reports the room failed instead."""
+
+    def __init__(self, channel: ReportChannel) -> None:
+        self.channel = channel
+
+    def __call__(self, room: int, body: dict[str, Any]) -> None:
+        self.channel.report(RoomReport(room, RankReport.from_json(body)).to_bytes())
+
+    def close(self) -> None:
+        """This rank reports no more (its worker loop ended): rank 0's collector ends
+        once every rank said so. Nothing to say where rank 0 is gone."""
+        with contextlib.suppress(RuntimeError):
+            self.channel.report(None)
+
+
+class ReportCollector:
+    """Rank 0: a thread that hands every report the other ranks send to `deliver`, the
+    handler of rank 0's own reports too, until every rank ended (`ReportSender.close`)."""
+
+    def __init__(self, channel: ReportChannel, deliver: Callable[[int, RankReport], None]) -> None:
+        self.channel, self.deliver = channel, deliver
+        self.thread = threading.Thread(target=self._run, name="pdctl-rank-reports", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                message = self.channel.collect()
+            except RuntimeError as exc:  # a rank died: the rank watch stops this server
+                log.warning("rank reports: lost the other ranks: %s", exc)
+                return
+            if message is None:
+                return
+            rank, data = message
+            try:
+                item = RoomReport.from_bytes(data)
+            except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+                log.error("rank reports: rank %d sent a malformed report: %s", rank, exc)
+                continue
+            try:
+                self.deliver(item.room, item.report)
+            except Exception:  # one room's bug must not stop every later report
+                log.exception("rank reports: room %d of rank %d", item.room, rank)

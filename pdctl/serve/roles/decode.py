@@ -19,33 +19,28 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse
-
 from pdctl.records import FenceState, RingState
 from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.api.app import create_app
 from pdctl.serve.api.errors import BadRequest
 from pdctl.serve.api.submission import ServerContext
-from pdctl.serve.bootstrap import json_object
 from pdctl.serve.engine.loop import Engine
 from pdctl.serve.engine.request import Request
 from pdctl.serve.engine.sampling import TokenChoice
 from pdctl.serve.faults import faults
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.abort_fault import AbortTransfers
-from pdctl.serve.pd.client import (
-    Client,
-    PeerCallError,
-    refuse_unless_authorized,
-    run_secret,
-    warn_if_no_secret,
-)
+from pdctl.serve.pd.client import PeerCallError, warn_if_no_secret
 from pdctl.serve.pd.endpoint import endpoint_name, make_transport
-from pdctl.serve.pd.protocol import json_int
 from pdctl.serve.pd.receiver import KVReceiver
-from pdctl.serve.pd.reports import Pending, RankReport, RankReports, combine
+from pdctl.serve.pd.reports import (
+    Pending,
+    RankReport,
+    RankReports,
+    ReportCollector,
+    ReportSender,
+    combine,
+)
 from pdctl.serve.roles.common import build_engine, serve, server_info
 from pdctl.serve.runtime import Rank
 from pdctl.serve.tp_ops import Op
@@ -162,9 +157,13 @@ class DecodeHooks:
             room, bootstrap, f"decode: {reason}", partial(self.engine.unfence, room)
         )
 
-    def report(self, room: int, report: dict[str, Any]) -> None:
-        """A rank finished receiving `room` (this rank, or another through /internal/kv_ready)."""
-        done = self.pending.add(room, RankReport.from_json(report))
+    def report(self, room: int, body: dict[str, Any]) -> None:
+        """This rank's receiver finished `room`."""
+        self.reported(room, RankReport.from_json(body))
+
+    def reported(self, room: int, report: RankReport) -> None:
+        """A rank finished receiving `room`: this one, or another over the TP group."""
+        done = self.pending.add(room, report)
         if done is not None:
             with self.lock:
                 fenced = self.fenced.pop(room, None)
@@ -201,30 +200,12 @@ class DecodeHooks:
         self.engine.transferred(rid, None, info, first)
 
 
-def internal_routes(hooks: DecodeHooks) -> Any:
-    secret = run_secret()
-
-    def setup(app: FastAPI, _: ServerContext) -> None:
-        @app.post("/internal/kv_ready")
-        async def kv_ready(request: HttpRequest) -> JSONResponse:
-            refused = refuse_unless_authorized(request, secret, "decode internal")
-            if refused is not None:
-                return refused
-            try:
-                body = await json_object(request)
-                room, _ = json_int(body, "room"), RankReport.from_json(body)
-            except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
-                return JSONResponse({"error": f"malformed report: {exc}"}, status_code=400)
-            hooks.report(room, body)
-            return JSONResponse({"ok": True})
-
-    return setup
-
-
 def run(rank: Rank) -> None:
     args = rank.args
     warn_if_no_secret("decode", args.host)
     hooks = DecodeHooks(rank)
+    if rank.group is not None:  # the other ranks report over the TP group
+        ReportCollector(rank.group, hooks.reported)
     engine = build_engine(rank, prefix_cache=False, hooks=hooks)
     engine.scheduler.receives_kv = True
     hooks.engine = engine
@@ -241,7 +222,7 @@ def run(rank: Rank) -> None:
         },
         prepare=hooks.prepare,
     )
-    serve(rank, context, [(create_app(context, internal_routes(hooks)), args.host, args.port)])
+    serve(rank, context, [(create_app(context), args.host, args.port)])
 
 
 def ring_state(receiver: KVReceiver) -> RingState:
@@ -276,14 +257,10 @@ def fence_state(hooks: DecodeHooks) -> FenceState:
 
 
 def run_worker(rank: Rank) -> None:
-    """Ranks > 0: receive when rank 0 says so; report to rank 0's API."""
-    client = Client(f"http://127.0.0.1:{rank.args.port}", "decode rank 0", 30.0)
-
-    def report(room: int, body: dict[str, Any]) -> None:
-        client.call("POST", "/internal/kv_ready", json={"room": room, **body})
-
-    receiver = make_receiver(rank, report)
+    """Ranks > 0: receive when rank 0 says so; report to rank 0 over the TP group."""
     assert rank.group is not None
+    report = ReportSender(rank.group)
+    receiver = make_receiver(rank, report)
 
     def on_receive(payload: Any) -> None:
         message = proto.tensor_json(payload)
@@ -306,4 +283,5 @@ def run_worker(rank: Rank) -> None:
     try:
         tensor_parallel.worker_loop(rank.group, rank.runner.forward)
     finally:
+        report.close()
         rank.group.close()

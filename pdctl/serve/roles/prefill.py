@@ -24,18 +24,23 @@ from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.api.app import create_app
 from pdctl.serve.api.errors import BadRequest
 from pdctl.serve.api.submission import ServerContext
-from pdctl.serve.args import ServerArgs
 from pdctl.serve.bootstrap import BootstrapError, FirstToken, Rooms, bootstrap_app
 from pdctl.serve.engine.loop import Engine
 from pdctl.serve.engine.request import Event, Request
 from pdctl.serve.engine.sampling import TokenChoice
 from pdctl.serve.multimodal import PromptError, check_items, splices
 from pdctl.serve.pd import protocol as proto
-from pdctl.serve.pd.client import Client, run_secret, warn_if_no_secret
+from pdctl.serve.pd.client import run_secret, warn_if_no_secret
 from pdctl.serve.pd.embeddings import EmbeddingError, EmbeddingReceiver
 from pdctl.serve.pd.endpoint import make_transport
 from pdctl.serve.pd.fence import process_identity
-from pdctl.serve.pd.reports import RankReport, RankReports, combine
+from pdctl.serve.pd.reports import (
+    RankReport,
+    RankReports,
+    ReportCollector,
+    ReportSender,
+    combine,
+)
 from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher, RoomWait
 from pdctl.serve.pd.sender import KVSender, Report, Snapshot
 from pdctl.serve.roles.common import build_engine, serve, server_info
@@ -199,9 +204,13 @@ class PrefillHooks:
                 return
         self.engine.unfence(request.room)
 
-    def report(self, room: int, report: dict[str, Any]) -> None:
-        """A rank finished sending `room` (this rank, or another through /internal/sent)."""
-        done = self.pending.add(room, RankReport.from_json(report))
+    def report(self, room: int, body: dict[str, Any]) -> None:
+        """This rank's sender finished `room`."""
+        self.reported(room, RankReport.from_json(body))
+
+    def reported(self, room: int, report: RankReport) -> None:
+        """A rank finished sending `room`: this one, or another over the TP group."""
+        done = self.pending.add(room, report)
         if done is None:
             return
         errors = done.errors
@@ -230,10 +239,11 @@ def run(rank: Rank) -> None:
     warn_if_no_secret("prefill", args.host)
     rooms = Rooms(layout_of(rank), args.bootstrap_timeout)
     hooks = PrefillHooks(rank, rooms)
-    rooms.on_sent = hooks.report
     publisher = RoomPublisher(rank.group, rooms) if rank.group is not None else None
     if publisher is not None:  # the other ranks learn registrations over the TP group
         rooms.on_change = publisher.changed
+    if rank.group is not None:  # and report what they sent over it
+        ReportCollector(rank.group, hooks.reported)
     hooks.embeddings = EmbeddingReceiver(
         EmbeddingPool(
             device_type=rank.device.type,
@@ -287,15 +297,10 @@ def fence_state(engine: Engine) -> FenceState:
 
 def run_worker(rank: Rank) -> None:
     """Ranks > 0: send when rank 0 says so; rooms' registrations arrive over the TP
-    group (`RoomMirror`); reports go to rank 0's bootstrap endpoint."""
-    args: ServerArgs = rank.args
-    client = Client(f"http://127.0.0.1:{args.bootstrap_port}", "prefill rank 0 bootstrap", 40.0)
+    group (`RoomMirror`) and reports go back to rank 0 over it (`ReportSender`)."""
     assert rank.group is not None
     mirror = RoomMirror(rank.group)
-
-    def report(room: int, body: dict[str, Any]) -> None:
-        client.call("POST", "/internal/sent", json={"room": room, **body})
-
+    report = ReportSender(rank.group)
     sender = make_sender(rank, mirror.snapshot, report)
 
     def on_send(payload: Any) -> None:
@@ -308,4 +313,5 @@ def run_worker(rank: Rank) -> None:
     try:
         tensor_parallel.worker_loop(rank.group, rank.runner.forward)
     finally:
+        report.close()
         rank.group.close()
