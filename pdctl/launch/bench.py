@@ -22,10 +22,11 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import httpx
 import yaml
@@ -40,6 +41,60 @@ from pdctl.topology.model import Topology
 BACKENDS = ("tcp", "mooncake", "nixl")
 WARMUP = 4  # full-length warm-up requests before the measured ones
 MODULES = {"mooncake": ("mooncake",), "nixl": ("nixl", "nixl_cu12", "nixl_cu13")}
+
+
+class Measured(TypedDict):
+    """One configuration's serving figures (the transfer's where it has one)."""
+
+    ttft_ms_p50: float
+    ttft_ms_p95: float
+    serial_tokens_per_s: float
+    concurrent_tokens_per_s: float
+
+
+class Transferred(TypedDict, total=False):
+    """The KV transfer's figures, where the configuration has one (PD)."""
+
+    kv_bytes_per_request: int
+    kv_segments: int
+    staging: bool
+    transfer_ms_p50: float  # decode's: admission until its KV is scattered and checked
+    transfer_ms_p95: float
+    digests_ok: bool
+    write_ms_mean: float  # prefill's: gathering, digesting and writing one request's KV
+    write_gbps: float
+    gather_ms_mean: float
+    digest_ms_mean: float
+
+
+class Compared(TypedDict, total=False):
+    """A PD row against its bounds: the device's copy rate, the colocated server."""
+
+    write_bound_ms: float  # the KV's bytes at the device's copy rate
+    write_vs_bound: float
+    ttft_vs_colocated: float
+    concurrent_tokens_per_s_vs_colocated: float
+
+
+class Measurement(Measured, Transferred):
+    """What `measure` finds of one configuration."""
+
+
+class BenchRow(Measurement, Compared):
+    """A row of `pdctl bench pd`: PD over one transport, or the colocated server."""
+
+    config: str
+    transport: str | None  # None: colocated
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """One streamed request: time to its first token, in all, tokens, its transfer."""
+
+    ttft_ms: float
+    seconds: float
+    tokens: int
+    kv_transfer: KVTransfer | None
 
 
 def refuse_other_engines(topology: Topology, command: str, instead: str) -> None:
@@ -61,7 +116,7 @@ def workload(prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
-def _stream_one(url: str, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+def _stream_one(url: str, prompt: list[int], new_tokens: int) -> Streamed:
     body = {
         "input_ids": prompt,
         "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
@@ -69,7 +124,7 @@ def _stream_one(url: str, prompt: list[int], new_tokens: int) -> dict[str, Any]:
     }
     started = time.perf_counter()
     first = None
-    last: dict[str, Any] = {}
+    tokens, transfer = 0, None  # as the last event says
     with httpx.stream("POST", f"{url}/generate", json=body, timeout=300) as response:
         if response.status_code != 200:
             response.read()
@@ -82,15 +137,11 @@ def _stream_one(url: str, prompt: list[int], new_tokens: int) -> dict[str, Any]:
                 raise RuntimeError(f"{url}: {event['error']}")
             if first is None and event.get("output_ids"):
                 first = time.perf_counter()
-            last = event
+            tokens = len(event.get("output_ids", []))
+            transfer = event.get("meta_info", {}).get("kv_transfer")
     done = time.perf_counter()
-    tokens = len(last.get("output_ids", []))
-    return {
-        "ttft_ms": ((first or done) - started) * 1e3,
-        "seconds": done - started,
-        "tokens": tokens,
-        "kv_transfer": last.get("meta_info", {}).get("kv_transfer"),
-    }
+    kv = KVTransfer.from_json(transfer) if transfer else None
+    return Streamed(((first or done) - started) * 1e3, done - started, tokens, kv)
 
 
 def _concurrent(url: str, prompts: list[list[int]], new_tokens: int, concurrency: int) -> float:
@@ -128,7 +179,7 @@ def measure(
     new_tokens: int,
     concurrency: int,
     prefill_url: str | None = None,
-) -> dict[str, Any]:
+) -> Measurement:
     # Warm-up: connections and first-call costs, then WARMUP prompts as long as the
     # workload's (not among them: no cache hit), so that the graphs a steady server
     # has for writes of this size exist (they are captured on a size's fourth write).
@@ -138,25 +189,26 @@ def measure(
     before = _kv_sent(prefill_url)
     serial = [_stream_one(url, prompt, new_tokens) for prompt in prompts]
     after = _kv_sent(prefill_url)
-    ttft = [r["ttft_ms"] for r in serial]
-    transfers = [KVTransfer.from_json(r["kv_transfer"]) for r in serial if r["kv_transfer"]]
-    row: dict[str, Any] = {
+    ttft = [r.ttft_ms for r in serial]
+    transfers = [r.kv_transfer for r in serial if r.kv_transfer is not None]
+    serial_rate = sum(r.tokens for r in serial) / sum(r.seconds for r in serial)
+    row: Measurement = {
         "ttft_ms_p50": round(statistics.median(ttft), 2),
         "ttft_ms_p95": round(_percentile(ttft, 0.95), 2),
-        "serial_tokens_per_s": round(
-            sum(r["tokens"] for r in serial) / sum(r["seconds"] for r in serial), 1
-        ),
+        "serial_tokens_per_s": round(serial_rate, 1),
         "concurrent_tokens_per_s": round(_concurrent(url, prompts, new_tokens, concurrency), 1),
     }
     if transfers:
         ms = [float(t.transfer_ms or 0) for t in transfers]
         row.update(
-            kv_bytes_per_request=int(statistics.median(t.bytes or 0 for t in transfers)),
-            kv_segments=max(t.segments or 0 for t in transfers),
-            staging=bool(transfers[0].staging),
-            transfer_ms_p50=round(statistics.median(ms), 2),
-            transfer_ms_p95=round(_percentile(ms, 0.95), 2),
-            digests_ok=all(t.digest_ok for t in transfers),
+            {
+                "kv_bytes_per_request": int(statistics.median(t.bytes or 0 for t in transfers)),
+                "kv_segments": max(t.segments or 0 for t in transfers),
+                "staging": bool(transfers[0].staging),
+                "transfer_ms_p50": round(statistics.median(ms), 2),
+                "transfer_ms_p95": round(_percentile(ms, 0.95), 2),
+                "digests_ok": all(t.digest_ok for t in transfers),
+            }
         )
     rooms = after.rooms - before.rooms
     if rooms > 0:  # prefill's side: time spent gathering and writing, per request
@@ -195,7 +247,7 @@ def variant(
     backend: str,
     directory: Path,
     staging: dict[str, float] | None = None,
-    changes: dict[str, Any] | None = None,
+    changes: Mapping[str, object] | None = None,
 ) -> Path:
     """The topology file with another transport (and staging sizes, and `changes`
     merged in: mappings key by key, lists appended), written to `directory`."""
@@ -210,12 +262,14 @@ def variant(
     return target
 
 
-def _merge(data: dict[str, Any], changes: dict[str, Any]) -> None:
+def _merge(data: dict[str, Any], changes: Mapping[str, object]) -> None:
+    """`changes` into a YAML mapping: mappings key by key, lists appended."""
     for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            _merge(data[key], value)
-        elif isinstance(value, list) and isinstance(data.get(key), list):
-            data[key] = [*data[key], *value]
+        current = data.get(key)
+        if isinstance(value, dict) and isinstance(current, dict):
+            _merge(current, value)
+        elif isinstance(value, list) and isinstance(current, list):
+            data[key] = [*current, *value]
         else:
             data[key] = value
 
@@ -235,7 +289,7 @@ def bench_pd(
         base, "bench pd", "benchmarks/vllm_pd.py measures real vLLM PD against colocated"
     )  # before anything starts
     work = workload(prompts, prompt_len)
-    rows: list[dict[str, Any]] = []
+    rows: list[BenchRow] = []
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="pdctl-bench-") as scratch:
         for backend in backends:
@@ -251,18 +305,17 @@ def bench_pd(
             progress(f"{backend}: starting {plan.topology.name}")
             with make_run(plan).serving() as run:
                 progress(f"{backend}: measuring {prompts} requests")
-                row: dict[str, Any] = {"config": f"PD {backend}", "transport": backend}
                 prefill = run.state("prefill-0").url
-                row.update(measure(run.router_url, work, new_tokens, concurrency, prefill))
-                rows.append(row)
+                measured = measure(run.router_url, work, new_tokens, concurrency, prefill)
+                rows.append({"config": f"PD {backend}", "transport": backend, **measured})
         progress("colocated reference: starting")
         plan = make_plan(load_checked(topology))
         run = make_run(plan)
         try:
             url = run.start_reference(tp=1)
             progress("colocated reference: measuring")
-            reference_row: dict[str, Any] = {"config": "colocated TP1", "transport": None}
-            reference_row.update(measure(url, work, new_tokens, concurrency))
+            measured = measure(url, work, new_tokens, concurrency)
+            reference_row: BenchRow = {"config": "colocated TP1", "transport": None, **measured}
         finally:
             run.stop()
     ceiling = copy_ceiling_gbps(base.device)

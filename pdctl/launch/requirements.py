@@ -21,11 +21,21 @@ import shutil
 import subprocess
 import sys
 from functools import lru_cache
-from typing import Any
+from typing import TypedDict
 
 from pdctl.launch.engine_env import ALIASES as MODULE_ALIASES
 from pdctl.launch.engine_env import probe
 from pdctl.topology.resolve import Requirements, available_cores
+
+
+class Machine(TypedDict, total=False):
+    """The part of `pdctl doctor --json` a topology's requirements are checked against
+    (`nvidia-smi` answers the first two where it can)."""
+
+    devices: dict[str, int]  # device type -> how many are visible
+    device_memory_free_gb: dict[str, list[float]]  # device type -> free GiB of each
+    capabilities: list[str]
+    error: str  # doctor itself failed
 
 
 def module_available(name: str) -> bool:
@@ -39,7 +49,7 @@ def module_available(name: str) -> bool:
 
 
 @lru_cache(maxsize=1)
-def machine() -> dict[str, Any]:
+def machine() -> Machine:
     """What `pdctl doctor --json` finds: devices, free memory, capabilities."""
     try:
         result = subprocess.run(
@@ -48,7 +58,7 @@ def machine() -> dict[str, Any]:
             text=True,
             timeout=300,
         )
-        data: dict[str, Any] = json.loads(result.stdout)
+        data: Machine = json.loads(result.stdout)
     except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
         return {
             "devices": {},
@@ -59,7 +69,7 @@ def machine() -> dict[str, Any]:
     return data
 
 
-def cuda_devices(visible: str | None = None) -> dict[str, Any] | None:
+def cuda_devices(visible: str | None = None) -> Machine | None:
     """CUDA device count and free memory from `nvidia-smi`, as doctor reports them (the
     devices CUDA_VISIBLE_DEVICES shows, in its order); None where nvidia-smi is missing,
     fails, or the mask names devices by UUID (doctor then answers)."""

@@ -10,7 +10,7 @@ Knows nothing of HTTP or of what the processes serve.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from pdctl.launch.processes import group_members
 
@@ -22,6 +22,23 @@ class ProcessRss:
     title: str  # pdctl:<topology>:<role>:tp<rank>, or the command name of a helper
     rss_kib: int
     threads: int = 0  # a pool that grew under load shows here (each thread has a stack)
+
+
+class RssFields(TypedDict):
+    server: str
+    pid: int
+    title: str
+    rss_warm_mib: float
+    rss_end_mib: float
+    growth_pct: float
+    threads_warm: int
+    threads_end: int
+
+
+class RssRow(RssFields, total=False):
+    """One PID's resident memory at both samples, as the soak reports it."""
+
+    trace_mib: dict[int, float]  # requests done -> MiB, at every tenth of the load
 
 
 def _title(pid: int) -> str:
@@ -69,11 +86,11 @@ def sample(groups: dict[str, int]) -> list[ProcessRss]:
 
 def growth(
     warm: list[ProcessRss], end: list[ProcessRss], limit_pct: float
-) -> tuple[list[dict[str, Any]], list[str]]:
+) -> tuple[list[RssRow], list[str]]:
     """Per PID: RSS at both samples and growth in %; and the problems (growth at or over
     `limit_pct`, a PID gone or new between the samples)."""
     later = {p.pid: p for p in end}
-    rows: list[dict[str, Any]] = []
+    rows: list[RssRow] = []
     problems: list[str] = []
     for first in warm:
         last = later.pop(first.pid, None)

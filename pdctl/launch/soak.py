@@ -28,12 +28,12 @@ happens (`Run.serving`), Ctrl-C included.
 from __future__ import annotations
 
 import random
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import httpx
 
@@ -43,14 +43,13 @@ from pdctl.launch.launcher import make_run
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.requirements import unmet
 from pdctl.launch.run import Run
-from pdctl.launch.soak_load import ABORTED, Load, Outcome, generate
+from pdctl.launch.soak_load import Load, generate
+from pdctl.launch.soak_report import SoakFigures, SoakRow, answers, memory, rates, wraps
 from pdctl.records import ServerInfo
 from pdctl.topology import load_file
 
 RSS_LIMIT_PCT = 3.0
 LENGTHS = (3, 15, 16, 17, 40, 64, 100, 150, 250, 400)  # around page and segment edges
-ABORT_MARKS = (ABORTED, "abort-transfer")  # how an aborted request's answer reads
-CORRUPTION_MARK = "KV corruption"  # a digest that did not match, as decode words it
 # With aborts, decode's KV pool (tokens) unless given: a few of the longest prompts
 # fit, so under load a page freed is handed out again at once (first in, first out
 # reuse alone would hide a late write in a page nobody holds). Prefill keeps the
@@ -58,6 +57,21 @@ CORRUPTION_MARK = "KV corruption"  # a digest that did not match, as decode word
 # pages for while decode fills with rooms prefill has not computed, each side waiting
 # on the other until the bootstrap timeout (measured: 122 of 2,200 requests, no abort)
 ABORT_POOL_TOKENS = 2048
+
+
+class Fault(TypedDict):
+    """A fault as a topology's `faults` lists it."""
+
+    name: str
+    every: int
+    after: int
+
+
+class Changes(TypedDict, total=False):
+    """What the soak changes of the topology file (merged in by `bench.variant`)."""
+
+    faults: list[Fault]
+    roles: dict[str, dict[str, int]]
 
 
 def prompts_for(count: int, seed: int, vocab: int, max_len: int) -> list[list[int]]:
@@ -102,59 +116,69 @@ def fences(run: Run) -> dict[str, int]:
     return total
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
-
-
 def _groups(run: Run) -> dict[str, int]:
     return {s.plan.name: s.spawned.pid for s in run.states if s.spawned is not None}
 
 
-def soak_one(
-    run: Run,
-    *,
-    requests: int,
-    concurrency: int,
-    unique: int,
-    new_tokens: int,
-    warmup: int,
-    timeout: float,
-    seed: int,
-    rss_limit_pct: float,
-    progress: Callable[[str], None],
-    aborts: bool = False,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Soak:
+    """One transport's soak: the load, and the bounds its figures are judged by."""
+
+    requests: int
+    concurrency: int
+    unique: int  # distinct prompts
+    new_tokens: int
+    warmup: int  # the request whose completion takes the first RSS sample
+    timeout: float  # per request, seconds
+    seed: int
+    rss_limit_pct: float
+    aborts: bool = False  # decode aborts rooms mid-transfer (`abort-transfer`)
+
+
+class Samples:
+    """RSS of the run's processes as the load completes: at the warm-up request, at
+    every tenth of the load (a leak climbs, a high-water mark steps and stays), at the
+    end."""
+
+    def __init__(self, run: Run, soak: Soak, progress: Callable[[str], None]) -> None:
+        self.run, self.soak, self.progress = run, soak, progress
+        self.taken: dict[str, list[rss.ProcessRss]] = {}  # "warm", "end"
+        self.trace: list[tuple[int, list[rss.ProcessRss]]] = []
+
+    def on_done(self, done: int) -> None:
+        requests, warmup = self.soak.requests, self.soak.warmup
+        tenth = max(1, requests // 10)
+        if done == warmup:
+            self.taken["warm"] = rss.sample(_groups(self.run))
+            self.progress(f"  {done}/{requests} done: RSS sampled (warm-up)")
+        elif done % tenth == 0 and done < requests:
+            self.progress(f"  {done}/{requests} done")
+        if done % tenth == 0 or done in (warmup, requests):
+            self.trace.append((done, rss.sample(_groups(self.run))))
+        if done == requests:
+            self.taken["end"] = self.trace[-1][1]
+
+
+def soak_one(run: Run, soak: Soak, progress: Callable[[str], None]) -> SoakFigures:
     url = run.router_url
     vocab, context = served_shape(run)
-    prompts = prompts_for(unique, seed, vocab, max(1, context - new_tokens))
+    prompts = prompts_for(soak.unique, soak.seed, vocab, max(1, context - soak.new_tokens))
     with httpx.Client() as client:
-        reference = [generate(client, url, p, new_tokens, timeout) for p in prompts]
+        reference = [generate(client, url, p, soak.new_tokens, soak.timeout) for p in prompts]
     _, _, rings_start = run.pools_back()
-    order = random.Random(seed).choices(range(len(prompts)), k=requests)
-    samples: dict[str, list[rss.ProcessRss]] = {}
-    trace: list[tuple[int, list[rss.ProcessRss]]] = []  # every tenth: leak or high water?
-
-    def on_done(done: int) -> None:
-        if done == warmup:
-            samples["warm"] = rss.sample(_groups(run))
-            progress(f"  {done}/{requests} done: RSS sampled (warm-up)")
-        elif done % max(1, requests // 10) == 0 and done < requests:
-            progress(f"  {done}/{requests} done")
-        if done % max(1, requests // 10) == 0 or done in (warmup, requests):
-            trace.append((done, rss.sample(_groups(run))))
-        if done == requests:
-            samples["end"] = trace[-1][1]
-
-    progress(f"  {requests} requests, {concurrency} in flight, {unique} distinct prompts")
+    order = random.Random(soak.seed).choices(range(len(prompts)), k=soak.requests)
+    samples = Samples(run, soak, progress)
+    progress(
+        f"  {soak.requests} requests, {soak.concurrency} in flight, {soak.unique} distinct prompts"
+    )
     load = Load(
         url,
         prompts,
         order,
-        concurrency=concurrency,
-        new_tokens=new_tokens,
-        timeout=timeout,
-        on_done=on_done,
+        concurrency=soak.concurrency,
+        new_tokens=soak.new_tokens,
+        timeout=soak.timeout,
+        on_done=samples.on_done,
     )
     started = time.perf_counter()
     try:  # a Ctrl-C while the workers start stops them too (else they send on, forever)
@@ -163,96 +187,26 @@ def soak_one(
     except BaseException:  # Ctrl-C, a dead server: the run's owner stops the servers now,
         load.close(grace=0)  # which ends the requests in flight; no wait for them here
         raise
-    load.close(grace=timeout)
+    load.close(grace=soak.timeout)
     wall = time.perf_counter() - started
     if load.callback_error is not None:
         raise load.callback_error
-    row: dict[str, Any] = {"requests": requests, "concurrency": concurrency, "vocab": vocab}
-    row.update(_answers(reference, load.outcomes, requests, aborts))
-    row.update(_rates(load.outcomes, wall, new_tokens))
+    found = answers(reference, load.outcomes, soak.requests, soak.aborts)
     pools_ok, held, rings_end = run.pools_back()
-    row.update(pools_back=pools_ok, held=held, ring_wraps=_wraps(rings_start, rings_end))
-    row["fences"] = fences(run)
-    row.update(_memory(samples, warmup, requests, rss_limit_pct))
-    _add_trace(row["rss"], trace)
-    row["passed"] = (
-        row["failed"] == 0 and row["mismatches"] == 0 and pools_ok and not row["rss_problems"]
-    ) and (not aborts or row["aborted"] > 0)
-    return row
-
-
-def _answers(
-    reference: list[tuple[list[int] | None, str | None]],
-    outcomes: list[Outcome],
-    requests: int,
-    aborts: bool = False,
-) -> dict[str, Any]:
-    """Failures (reference, load, never sent) and answers that differ from the reference
-    (only where the reference itself came back: a failed one is counted as failed).
-    With `aborts`, a load request that ended aborted by the fault is counted apart."""
-    failures = [e for _, e in reference if e is not None]
-    errors = [o.error for o in outcomes if o.error is not None]
-    aborted = [e for e in errors if aborts and any(mark in e for mark in ABORT_MARKS)]
-    failures += [e for e in errors if e not in aborted]
-    expected = [out for out, _ in reference]
-    mismatched = [
-        o for o in outcomes if o.output is not None and expected[o.prompt] not in (None, o.output)
-    ]
-    first = mismatched[0] if mismatched else None
+    used = memory(samples.taken, samples.trace, soak.warmup, soak.requests, soak.rss_limit_pct)
+    clean = found["failed"] == 0 and found["mismatches"] == 0 and pools_ok
     return {
-        "completed": len(outcomes),
-        "aborted": len(aborted),
-        "failed": len(failures) + (requests - len(outcomes)),
-        "first_failure": failures[0] if failures else None,
-        "digest_mismatches": sum(CORRUPTION_MARK in e for e in failures),
-        "mismatches": len(mismatched),
-        "first_mismatch": None
-        if first is None
-        else {"prompt": first.prompt, "expected": expected[first.prompt], "got": first.output},
-    }
-
-
-def _rates(outcomes: list[Outcome], wall: float, new_tokens: int) -> dict[str, Any]:
-    latencies = [o.latency_s * 1e3 for o in outcomes]
-    return {
-        "wall_s": round(wall, 2),
-        "requests_per_s": round(len(outcomes) / wall, 2),
-        "tokens_per_s": round(len(outcomes) * new_tokens / wall, 1),
-        "latency_ms_p50": round(statistics.median(latencies), 1) if latencies else None,
-        "latency_ms_p99": round(_percentile(latencies, 0.99), 1) if latencies else None,
-    }
-
-
-def _memory(
-    samples: dict[str, list[rss.ProcessRss]], warmup: int, requests: int, limit_pct: float
-) -> dict[str, Any]:
-    rows, problems = rss.growth(samples.get("warm", []), samples.get("end", []), limit_pct)
-    if "warm" not in samples or "end" not in samples:
-        problems.append(f"RSS not sampled at requests {warmup} and {requests}")
-    return {
-        "rss_warmup_request": warmup,
-        "rss": rows,
-        "rss_max_growth_pct": max((float(r["growth_pct"]) for r in rows), default=None),
-        "rss_problems": problems,
-    }
-
-
-def _add_trace(rows: list[dict[str, Any]], trace: list[tuple[int, list[rss.ProcessRss]]]) -> None:
-    """Each process's RSS (MiB) at every tenth of the load: a leak climbs all the way,
-    a high-water mark (the largest batch so far) steps up and stays."""
-    for row in rows:
-        row["trace_mib"] = {
-            done: round(p.rss_kib / 1024, 1)
-            for done, found in trace
-            for p in found
-            if p.pid == row["pid"]
-        }
-
-
-def _wraps(start: dict[str, Any], end: dict[str, Any]) -> dict[str, int]:
-    return {
-        name: ring["watermark"][0] - start.get(name, {"watermark": [0]})["watermark"][0]
-        for name, ring in end.items()
+        "requests": soak.requests,
+        "concurrency": soak.concurrency,
+        "vocab": vocab,
+        **found,
+        **rates(load.outcomes, wall, soak.new_tokens),
+        "pools_back": pools_ok,
+        "held": held,
+        "ring_wraps": wraps(rings_start, rings_end),
+        "fences": fences(run),
+        **used,
+        "passed": clean and not used["rss_problems"] and (not soak.aborts or found["aborted"] > 0),
     }
 
 
@@ -283,10 +237,14 @@ def bench_soak(
     warm = min(requests, warmup if warmup is not None else max(1, requests // 5))
     if decode_pool_tokens is None and abort_every is not None:
         decode_pool_tokens = ABORT_POOL_TOKENS
-    changes: dict[str, Any] = {"faults": abort_faults(abort_every, unique)}
+    changes: Changes = {"faults": abort_faults(abort_every, unique)}
     if decode_pool_tokens is not None:
         changes["roles"] = {"decode": {"kv_pool_tokens": decode_pool_tokens}}
-    rows: list[dict[str, Any]] = []
+    aborts = abort_every is not None
+    soak = Soak(
+        requests, concurrency, unique, new_tokens, warm, timeout, seed, rss_limit_pct, aborts
+    )
+    rows: list[SoakRow] = []
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="pdctl-soak-") as scratch:
         for backend in backends:
@@ -299,22 +257,7 @@ def bench_soak(
                 continue
             progress(f"{backend}: starting {base.name} (staging ring {pool_mb:g} MiB per rank)")
             with make_run(plan).serving() as run:
-                row: dict[str, Any] = {"transport": backend}
-                row.update(
-                    soak_one(
-                        run,
-                        requests=requests,
-                        concurrency=concurrency,
-                        unique=unique,
-                        new_tokens=new_tokens,
-                        warmup=warm,
-                        timeout=timeout,
-                        seed=seed,
-                        rss_limit_pct=rss_limit_pct,
-                        progress=progress,
-                        aborts=abort_every is not None,
-                    )
-                )
+                row: SoakRow = {"transport": backend, **soak_one(run, soak, progress)}
                 rows.append(row)
             progress(f"{backend}: {'PASS' if row['passed'] else 'FAIL'}")
     return {
@@ -333,7 +276,7 @@ def bench_soak(
     }
 
 
-def abort_faults(every: int | None, unique: int) -> list[dict[str, Any]]:
+def abort_faults(every: int | None, unique: int) -> list[Fault]:
     """The faults `--abort-every` adds: none, or `abort-transfer` sparing the rooms of
     the reference pass (its answers must be the clean ones)."""
     if every is None:
