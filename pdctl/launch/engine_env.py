@@ -110,8 +110,8 @@ def probe(
         )
     return EngineEnv(
         python,
-        data.get("python"),
-        data.get("modules", {}),
-        data.get("versions", {}),
-        data.get("imports", {}),
+        version=data.get("python"),
+        modules=data.get("modules", {}),
+        versions=data.get("versions", {}),
+        imports=data.get("imports", {}),
     )

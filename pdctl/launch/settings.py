@@ -24,46 +24,35 @@ STATE_DIR_VAR = "PDCTL_STATE_DIR"
 PORTS_DIR_VAR = "PDCTL_PORTS_DIR"
 NODE_LOG_DIR_VAR = "PDCTL_NODE_LOG_DIR"
 
+# Why each row exists, as `pdctl doctor` and docs/settings.md say it.
+FORKSERVER_WHY = (
+    "on the CPU an attached run forks its embedded servers from one process that imported "
+    "them once (launch 2-3 s faster per server); 0 spawns every process, to compare or when "
+    "a server must start from a clean interpreter"
+)
+LOOPBACK_SHIM_WHY = (
+    "a loopback topology preloads the bind shim so Mooncake's listeners stay on loopback "
+    "(docs/security.md); 0 leaves them alone, to show what they bind without it"
+)
+STATE_DIR_WHY = (
+    "where pdctl keeps host-wide state (the run records `status` and `down` read, the built "
+    "shim, the port table); tests and several users of one account keep their own"
+)
+PORTS_DIR_WHY = (
+    "where the host-wide port lock and reservations live: runs recorded in private state "
+    "dirs (test workers, users of one account) still share the host's one port table"
+)
+NODE_LOG_DIR_WHY = (
+    "on a Ray node that cannot create the run directory, where its servers log "
+    "(`<dir>/<run>`); empty: the run directory, else a temporary folder"
+)
+
 ROWS: tuple[Setting, ...] = (
-    Setting(
-        "forkserver",
-        "1",
-        "on the CPU an attached run forks its embedded servers from one "
-        "process that imported them once (launch 2-3 s faster per server); 0 spawns every "
-        "process, to compare or when a server must start from a clean interpreter",
-        f"env {FORKSERVER_VAR}",
-    ),
-    Setting(
-        "loopback_shim",
-        "1",
-        "a loopback topology preloads the bind shim so Mooncake's "
-        "listeners stay on loopback (docs/security.md); 0 leaves them alone, to show what "
-        "they bind without it",
-        f"env {LOOPBACK_SHIM_VAR}",
-    ),
-    Setting(
-        "state_dir",
-        "$XDG_STATE_HOME/pdctl",
-        "where pdctl keeps host-wide state (the run "
-        "records `status` and `down` read, the built shim, the port table); tests and "
-        "several users of one account keep their own",
-        f"env {STATE_DIR_VAR}",
-    ),
-    Setting(
-        "ports_dir",
-        "the state dir",
-        "where the host-wide port lock and reservations live: "
-        "runs recorded in private state dirs (test workers, users of one account) still "
-        "share the host's one port table",
-        f"env {PORTS_DIR_VAR}",
-    ),
-    Setting(
-        "node_log_dir",
-        "",
-        "on a Ray node that cannot create the run directory, where its "
-        "servers log (`<dir>/<run>`); empty: the run directory, else a temporary folder",
-        f"env {NODE_LOG_DIR_VAR}",
-    ),
+    Setting("forkserver", "1", FORKSERVER_WHY, f"env {FORKSERVER_VAR}"),
+    Setting("loopback_shim", "1", LOOPBACK_SHIM_WHY, f"env {LOOPBACK_SHIM_VAR}"),
+    Setting("state_dir", "$XDG_STATE_HOME/pdctl", STATE_DIR_WHY, f"env {STATE_DIR_VAR}"),
+    Setting("ports_dir", "the state dir", PORTS_DIR_WHY, f"env {PORTS_DIR_VAR}"),
+    Setting("node_log_dir", "", NODE_LOG_DIR_WHY, f"env {NODE_LOG_DIR_VAR}"),
 )
 
 
