@@ -39,10 +39,10 @@ T = TypeVar("T")
 log = logging.getLogger("pdctl.serve")
 Handler = Callable[[torch.Tensor], None]
 REPORT_HEADER, REPORT_BODY = 1, 2  # the tags of a report's two messages
-# How long a rank waits for a message that comes whenever it comes (the next report):
-# as long as the server lives. gloo fails a wait that runs out by closing every
-# connection of its group, so an idle server must never reach the end of one (the
-# group's own timeout would, after 10 minutes).
+# How long a rank waits for a message that comes whenever it comes (the next report,
+# the next room's registrations): as long as the server lives. gloo fails a wait that
+# runs out by closing every connection of its group, so an idle server must never
+# reach the end of one (the group's own timeout would, after 10 minutes).
 NO_DEADLINE = timedelta(days=3650)
 
 
@@ -173,9 +173,12 @@ class TPGroup:
             dist.broadcast(payload, src=0, group=self.control)
 
     def listen(self) -> bytes | None:
-        """Ranks > 0, from one thread only: the next published message (None: the end)."""
+        """Ranks > 0, from one thread only: the next published message (None: the end),
+        however long it takes (`NO_DEADLINE`: rank 0 publishes when a room changes)."""
         header = torch.empty(1, dtype=torch.int64)
-        dist.broadcast(header, src=0, group=self.control)
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor, options.timeout = 0, 0, NO_DEADLINE
+        self.control.broadcast([header], options).wait(NO_DEADLINE)
         size = int(header[0])
         if size < 0:
             return None

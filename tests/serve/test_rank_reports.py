@@ -4,8 +4,9 @@ The collector is tested against an in-process queue with the TP group's contract
 then against a real `TPGroup` (gloo) of three spawned processes: two ranks report
 from several threads at once, after rank 0 waited longer than the group's timeout
 (a gloo wait that runs out closes every connection of its group), and every report
-arrives once, whole, with its rank. `tests/serve/test_pd.py` runs the roles' side in
-prefill and decode TP 2 topologies, failures included.
+arrives once, whole, with its rank; the other way, their listeners on the control
+channel (`publish`/`listen`) waited as long before rank 0 published. `test_pd.py`
+runs the roles' side in prefill and decode TP 2 topologies, failures included.
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def _error(rank: int, room: int) -> str | None:
 
 def _rank(rank: int, port: int, results: mp.Queue) -> None:
     """Rank 0 collects; ranks 1 and 2 wait IDLE_S (the group's timeout is 1 s), then
-    report ROOMS rooms from THREADS threads each, then end."""
+    report ROOMS rooms from THREADS threads each, then end. Meanwhile they listen on
+    the control channel, where rank 0 publishes only once they ended."""
     import torch
 
     from pdctl.serve.tp import TPGroup
@@ -153,11 +155,18 @@ def _rank(rank: int, port: int, results: mp.Queue) -> None:
             while (message := group.collect()) is not None:
                 got.append((message[0], RoomReport.from_bytes(message[1])))
             idle = time.monotonic() - started
+            group.publish(b"room 7 changed")
+            group.publish(None)
             rooms = sorted((r.room, r.report.rank, sender, r.report.error) for sender, r in got)
             want = sorted((room, r, r, _error(r, room)) for r in (1, 2) for room in range(ROOMS))
             whole = rooms == want and idle >= IDLE_S - 0.5
             results.put((0, "ok" if whole else f"idle {idle:.1f} s, got {rooms}"))
         else:
+            heard: list[bytes | None] = []
+            listener = threading.Thread(
+                target=lambda: heard.extend([group.listen(), group.listen()])
+            )
+            listener.start()
             time.sleep(IDLE_S)
             report = ReportSender(group)
 
@@ -175,7 +184,8 @@ def _rank(rank: int, port: int, results: mp.Queue) -> None:
             for thread in threads:
                 thread.join()
             report.close()
-            results.put((rank, "ok"))
+            listener.join(30)
+            results.put((rank, "ok" if heard == [b"room 7 changed", None] else repr(heard)))
     except BaseException as exc:
         results.put((rank, repr(exc)))
     finally:
