@@ -42,15 +42,8 @@ def wait(address: int, seen: int, timeout_s: float) -> None:
     the word and decide."""
     seconds = max(0.0, timeout_s)
     timeout = _Timespec(int(seconds), int((seconds % 1) * 1e9))
-    _FREE.syscall(
-        _SYS_FUTEX,
-        ctypes.c_void_p(address),
-        _FUTEX_WAIT,
-        ctypes.c_int32(seen).value,
-        ctypes.byref(timeout),
-        None,
-        0,
-    )
+    word, expected = ctypes.c_void_p(address), ctypes.c_int32(seen).value
+    _FREE.syscall(_SYS_FUTEX, word, _FUTEX_WAIT, expected, ctypes.byref(timeout), None, 0)
 
 
 def wake(address: int) -> None:

@@ -81,13 +81,9 @@ def replay_library() -> tuple[Any, str]:
     for function in (library.pdctl_replay, library.pdctl_checked_replay):
         function.restype = ctypes.c_int
     library.pdctl_replay.argtypes = [ctypes.c_void_p] * 2
-    library.pdctl_checked_replay.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-    ]
+    vp = ctypes.c_void_p
+    # the slot's args, the ids, the pool's pages, the thread's stamps, the stream
+    library.pdctl_checked_replay.argtypes = [vp, vp, ctypes.c_int64, vp, vp]
     return library, "built"
 
 
@@ -155,21 +151,10 @@ def held_replay(
     if library is None:
         log.info("staging: a replay's driver calls go one by one (%s)", why)
         return None
-    device_ids, host_ids, nbytes = ids
-    args = ReplayArgs(
-        address(calls.copy_to_device),
-        address(calls.event_record),
-        address(calls.stream_wait),
-        address(calls.graph_launch),
-        device_ids,
-        host_ids,
-        nbytes,
-        upload.stream_handle,
-        upload.done.handle.value,
-        graph.executable.value,
-        done.handle.value,
-        address(calls.event_query),
-        check_function() or 0,
-        nbytes // 8,
-    )
+    steps = (calls.copy_to_device, calls.event_record, calls.stream_wait, calls.graph_launch)
+    handles = (upload.stream_handle, upload.done.handle.value, graph.executable.value)
+    checks = (address(calls.event_query), check_function() or 0, ids[2] // 8)  # 8-byte ids
+    # `replay_t`'s fields in order: the steps' entry points, the ids (device, pinned,
+    # bytes), the slot's handles and event, then what the checked replay adds
+    args = ReplayArgs(*map(address, steps), *ids, *handles, done.handle.value, *checks)
     return HeldReplay(library, args, (upload, graph, done))

@@ -76,7 +76,8 @@ class StagingSettings:
         """The table, for `pdctl doctor` and docs/settings.md."""
         defaults = {item.name: item.default for item in fields(StagingSettings)}
         return tuple(
-            Row(name, _shown(defaults.get(name)), reason, source) for name, reason, source in _ROWS
+            Row(name, _shown(defaults.get(name)), reason, _SOURCES.get(name, "constructor"))
+            for name, reason in _REASONS.items()
         )
 
 
@@ -86,47 +87,39 @@ def _shown(default: object) -> str:
     return "" if default is None or not isinstance(default, (str, int)) else str(default)
 
 
-_ROWS: tuple[tuple[str, str, str], ...] = (
-    (
-        "native_dir",
+# Why each field exists; its value comes from the constructor unless `_SOURCES` says.
+_REASONS = {
+    "native_dir": (
         "where the C staging copy (`kernels/native.py`) and a replay's C call "
         "(`held_replay.py`) are compiled, once per source version; default "
-        "$XDG_CACHE_HOME/pdctl/native (~/.cache/pdctl/native)",
-        f"env {NATIVE_DIR_VAR}",
+        "$XDG_CACHE_HOME/pdctl/native (~/.cache/pdctl/native)"
     ),
-    (
-        "graphs",
+    "graphs": (
         "a repeated checked call replayed from a CUDA graph: a lookup, the page "
         "check and one launch instead of tens of us of host work; the host-bound 28 x 2 x "
         "128 page-1 gather went from 0.39 to 0.73 of a device copy on the H200 "
         "(docs/benchmarks.md, issue 19); off: every call eager "
-        "(`benchmarks/pd_write_profile.py` times both)",
-        "constructor",
+        "(`benchmarks/pd_write_profile.py` times both)"
     ),
-    (
-        "upload_ahead",
+    "upload_ahead": (
         "a replay's ids copied by the copy engine ahead of its graph while "
         "the call before still runs: the upload inside the graph cost each replay 5.5 us "
         "of an H200's 65 us on 28 x 2 x 128 (docs/benchmarks.md); off: the upload inside "
-        "the graph",
-        "constructor",
+        "the graph"
     ),
-    (
-        "upload_kernel",
+    "upload_kernel": (
         "inside a graph, the ids brought by a kernel reading mapped host "
         "memory rather than a copy node: 5-9 us less a replay on an H200 "
-        "(docs/benchmarks.md); off: a copy node",
-        "constructor",
+        "(docs/benchmarks.md); off: a copy node"
     ),
-    (
-        "replay_in_c",
+    "replay_in_c": (
         "a replay's five driver calls, its slot's wait and page check in "
         "one call into C: from Python one by one they cost 20-27 us a call on the H200's "
         "host (docs/benchmarks.md; `benchmarks/staging_replay_ab.py` times both); off: "
-        "one by one",
-        "constructor",
+        "one by one"
     ),
-)
+}
+_SOURCES = {"native_dir": f"env {NATIVE_DIR_VAR}"}
 
 
 @functools.cache

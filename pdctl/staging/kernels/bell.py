@@ -72,10 +72,19 @@ def _ring_kernel(  # type: ignore[no-untyped-def]
     tl.store(slot + SEQ_AT, seq)  # last: the receiver reads the slot once it sees it
 
 
-_RING = DirectLauncher(
-    _ring_kernel,
-    ("BLOCK", "HEADER", "SEQ_AT", "CHECK_AT", "COUNT_AT", "KIND_AT", "C_SEQ", "C_COUNT", "C_KIND"),
-)
+_CONSTEXPRS = {  # the kernel's: a step's values, then the bell slot's layout (`doorbell`)
+    "BLOCK": BLOCK,
+    "HEADER": SLOT_HEADER,
+    "SEQ_AT": SEQ,
+    "CHECK_AT": CHECK,
+    "COUNT_AT": COUNT,
+    "KIND_AT": KIND,
+    "C_SEQ": CHECK_SEQ,
+    "C_COUNT": CHECK_COUNT,
+    "C_KIND": CHECK_KIND,
+}
+_RING = DirectLauncher(_ring_kernel, tuple(_CONSTEXPRS))
+_LAYOUT = tuple(_CONSTEXPRS.values())
 
 
 def ring_from_device(ids: torch.Tensor, at: int, values: torch.Tensor, kind: int) -> None:
@@ -87,16 +96,5 @@ def ring_from_device(ids: torch.Tensor, at: int, values: torch.Tensor, kind: int
         raise ValueError(f"a device ring takes 1 to {MAX_VALUES} int64 values and int64 ids")
     if ids.numel() < at + 3:
         raise ValueError(f"the ids hold no ring at {at} (address, number, count)")
-    constexprs = (
-        BLOCK,
-        SLOT_HEADER,
-        SEQ,
-        CHECK,
-        COUNT,
-        KIND,
-        CHECK_SEQ,
-        CHECK_COUNT,
-        CHECK_KIND,
-    )
     with dev.device_context(values.device):  # Triton launches on the thread's current device
-        _RING((1, 1, 1), (ids, values.contiguous()), (at, count, kind), constexprs, 4)
+        _RING((1, 1, 1), (ids, values.contiguous()), (at, count, kind), _LAYOUT, 4)

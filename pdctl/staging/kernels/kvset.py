@@ -134,12 +134,7 @@ def _prepare(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor
     if len(k_buffers) != len(v_buffers) or not interleaved:
         describe_kv(k_buffers, v_buffers)  # raises the precise error
     first = interleaved[0]
-    key = (
-        first.device,
-        first.dtype,
-        tuple(first.shape),
-        *map(torch.Tensor.data_ptr, interleaved),
-    )
+    key = (first.device, first.dtype, tuple(first.shape), *map(torch.Tensor.data_ptr, interleaved))
     with _LOCK:
         cached = _CACHE.get(key)
         if cached is not None and all(map(operator.is_, cached.buffers, interleaved)):

@@ -86,13 +86,8 @@ def _library() -> tuple[Any, str]:  # (the library or None, why)
     copy.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_int] * 2
     copy.restype = ctypes.c_int
     check = library.pdctl_check_stamped
-    check.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-    ]
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    check.argtypes = [vp, i64, i64, vp, vp]  # ids, count, pages, stamps, where to copy them
     check.restype = ctypes.c_int64
     shared = library.pdctl_threading() == 1
     return library, "built, on torch's OpenMP threads" if shared else "built, on threads of its own"

@@ -92,15 +92,8 @@ def _summary(variant: str, label: str, nbytes: int, latencies: list[float], ok: 
     ordered = sorted(latencies)
     p50 = statistics.median(ordered)
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-    return Row(
-        variant,
-        label,
-        nbytes,
-        round(nbytes / p50 / 1e9, 3),
-        round(p50 * 1e3, 4),
-        round(p99 * 1e3, 4),
-        ok,
-    )
+    gbps, p50_ms, p99_ms = round(nbytes / p50 / 1e9, 3), round(p50 * 1e3, 4), round(p99 * 1e3, 4)
+    return Row(variant, label, nbytes, gbps, p50_ms, p99_ms, ok)
 
 
 def memcpy_rows(sizes: tuple[int, ...], budget_bytes: int) -> list[Row]:

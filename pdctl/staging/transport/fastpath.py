@@ -32,14 +32,8 @@ def _libc() -> ctypes.CDLL | None:
         function = libc.process_vm_writev
     except (OSError, AttributeError):
         return None
-    function.argtypes = [
-        ctypes.c_int,
-        ctypes.POINTER(IOVec),
-        ctypes.c_ulong,
-        ctypes.POINTER(IOVec),
-        ctypes.c_ulong,
-        ctypes.c_ulong,
-    ]
+    iov, count = ctypes.POINTER(IOVec), ctypes.c_ulong  # (pid, local, n, remote, n, flags)
+    function.argtypes = [ctypes.c_int, iov, count, iov, count, ctypes.c_ulong]
     function.restype = ctypes.c_ssize_t
     return libc
 

@@ -194,24 +194,17 @@ class MooncakeTransport(Transport):
             for start in range(0, len(src), self.MAX_BATCH):
                 end = start + self.MAX_BATCH
                 last = end >= len(src)
-                self._batch(
-                    peer,
-                    session,
-                    src[start:end],
-                    dst[start:end],
-                    lengths[start:end],
-                    notify if last else None,
-                )
+                ranges = (src[start:end], dst[start:end], lengths[start:end])
+                self._batch(peer, session, ranges, notify if last else None)
 
     def _batch(
         self,
         peer: Peer,
         session: str,
-        src: list[int],
-        dst: list[int],
-        lengths: list[int],
+        ranges: tuple[list[int], list[int], list[int]],  # (src, dst, lengths)
         notify: bytes | None,
     ) -> None:
+        src, dst, lengths = ranges
         for attempt in range(3):
             if notify is None:
                 result = self.engine.batch_transfer_sync_write(session, src, dst, lengths)

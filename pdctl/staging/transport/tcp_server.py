@@ -72,12 +72,8 @@ class Listener:
     ) -> None:
         """Listens on the config's host and port (0: a free one); a handshake is bounded by
         its connect timeout, and peers prove they hold its secret."""
-        self.name, self.secret, self.table, self.deliver = (
-            config.name,
-            config.secret,
-            table,
-            deliver,
-        )
+        self.name, self.secret = config.name, config.secret
+        self.table, self.deliver = table, deliver
         self.timeout = config.connect_timeout_s
         self.sock = socket.create_server((config.host, config.port), reuse_port=False)
         self.sock.settimeout(0.25)
