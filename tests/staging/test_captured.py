@@ -192,8 +192,8 @@ def test_usual_ids_replay_in_one_go_and_what_cannot_goes_the_armed_way() -> None
     others = [t.clone() for t in k]  # other tensors under the same key
     assert calls.replay_usual(key, (others, v), good.data_ptr(), POOL_PAGES) is captured.MISSED
     usual = lambda: calls.replay_usual(key, (k, v), good.data_ptr(), POOL_PAGES)  # noqa: E731
-    armed = calls.arm(key, (k, v), staging.device, lambda into: host_ids(k, v, pages, PAGE, into),
-                      lambda ids: 0, pages)  # fmt: skip
+    host = lambda into: host_ids(k, v, pages, PAGE, into)  # noqa: E731
+    armed = calls.arm(key, (k, v), staging.device, host, lambda ids: 0, pages)
     for _ in range(captured.SLOTS - 1):  # the other slots of the ring
         assert usual() is not captured.MISSED
     assert usual() is captured.MISSED  # the armed slot's turn: not launched yet

@@ -101,19 +101,18 @@ def test_ring_and_block_addresses_are_unsigned() -> None:
     assert block_address(HIGH, layout, 1, 16) == HIGH + 2 * 3 * 16 * 8 * 2 * 2
 
 
-def brute_force(src_bases, dst_bases, src_pages, dst_pages, page, head_bytes, src_heads,
-                dst_heads, piece):  # fmt: skip
+def brute_force(src_bases, dst_bases, src_pages, dst_pages, rows):
     """One descriptor per buffer and token row, spelled out."""
+    page, head_bytes, piece = rows.page_size, rows.head_bytes, rows.piece
+    src_heads, dst_heads = rows.src_heads, rows.dst_heads
     found = []
     for src_base, dst_base in zip(src_bases, dst_bases, strict=True):
         for src_page, dst_page in zip(src_pages, dst_pages, strict=True):
             for i in range(page):
                 src_row, dst_row = src_page * page + i, dst_page * page + i
-                found.append((
-                    (src_base + (src_row * src_heads + piece.src_head_start) * head_bytes) % 2**64,
-                    (dst_base + (dst_row * dst_heads + piece.dst_head_start) * head_bytes) % 2**64,
-                    piece.num_heads * head_bytes,
-                ))  # fmt: skip
+                src = (src_base + (src_row * src_heads + piece.src_head_start) * head_bytes) % 2**64
+                dst = (dst_base + (dst_row * dst_heads + piece.dst_head_start) * head_bytes) % 2**64
+                found.append((src, dst, piece.num_heads * head_bytes))
     return found
 
 
@@ -141,15 +140,11 @@ def test_head_slice_descriptors_match_a_brute_force_construction(heads, pages, p
     src_bases = [base + n * pool for n in range(2 * layers)]
     dst_bases = [2**62 + n * pool for n in range(2 * layers)]
     dst_pages = [(p * 7 + 3) % 64 for p in pages]
-    src, dst, lengths = head_slice_descriptors(
-        src_bases, dst_bases, pages, dst_pages,
-        KVRows(page_size=page, head_bytes=head_bytes, src_heads=src_heads,
-               dst_heads=dst_heads, piece=piece),
-    )  # fmt: skip
+    rows = KVRows(page, head_bytes, src_heads, dst_heads, piece)
+    src, dst, lengths = head_slice_descriptors(src_bases, dst_bases, pages, dst_pages, rows)
     assert src.dtype == dst.dtype == lengths.dtype == np.uint64
     built = list(zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True))
-    expected = brute_force(src_bases, dst_bases, pages, dst_pages, page, head_bytes,
-                           src_heads, dst_heads, piece)  # fmt: skip
+    expected = brute_force(src_bases, dst_bases, pages, dst_pages, rows)
     assert built == expected
 
 
@@ -168,11 +163,9 @@ def test_direct_descriptors_move_the_head_slice_into_the_peer_pages(
     src_k, src_v = random_kv(layers, 16 * page, src_heads, dim, torch.bfloat16, seed=1)
     dst_k, dst_v = random_kv(layers, 16 * page, dst_heads, dim, torch.bfloat16, seed=2)
     src_pages, dst_pages = [3, 0, 7], [5, 11, 2]
-    src, dst, lengths = direct_descriptors(
-        kv_bases(src_k, src_v), kv_bases(dst_k, dst_v), src_pages, dst_pages,
-        KVRows(page_size=page, head_bytes=dim * 2, src_heads=src_heads, dst_heads=dst_heads,
-               piece=piece),
-    )  # fmt: skip
+    rows = KVRows(page, dim * 2, src_heads, dst_heads, piece)  # bf16: 2 bytes an element
+    bases = (kv_bases(src_k, src_v), kv_bases(dst_k, dst_v))
+    src, dst, lengths = direct_descriptors(*bases, src_pages, dst_pages, rows)
     whole_pages = src_heads == dst_heads == piece.num_heads
     assert len(src) == 2 * layers * len(src_pages) * (1 if whole_pages else page)
     for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True):

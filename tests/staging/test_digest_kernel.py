@@ -67,33 +67,25 @@ def test_sums_past_two_to_the_64_wrap_alike() -> None:
 def test_page_digests_in_place_equal_gather_then_digest(dtype, page_size, split, segments) -> None:
     """The paged kernel (interpreted) reads the pages in place; the values must be
     those of gathering each segment's head slice and digesting the block."""
-    from pdctl.staging.kernels import gather_all_layers_to_staging, page_digests
+    from pdctl.staging.kernels import KVSlice, gather_slice, slice_digests
     from tests.staging.kv_factory import as_bits, random_kv, random_pages
 
     heads, start, count = split
     layers, pool_pages, head_dim = 3, 10, 16
     k, v = random_kv(layers, pool_pages * page_size, heads, head_dim, dtype, 7, "cpu")
     pages = random_pages(pool_pages, 6, 7)
+    heads = KVSlice(start, count, page_size)
     expected = []
     for first, num in segments:
         nbytes = 2 * layers * num * page_size * count * head_dim * k[0].element_size()
         block = torch.empty(nbytes, dtype=torch.uint8)
-        gather_all_layers_to_staging(
-            k, v, pages[first : first + num], block, src_head_start=start, num_heads=count,
-            page_size=page_size, backend="torch",
-        )  # fmt: skip
+        gather_slice(k, v, pages[first : first + num], block, heads, "torch")
         expected.append(block_digests(block, layers, backend="torch"))
     for backend in ("triton", "torch"):
-        got = page_digests(
-            k, v, pages, segments, head_start=start, num_heads=count, page_size=page_size,
-            backend=backend,
-        )  # fmt: skip
+        got = slice_digests(k, v, pages, segments, heads, backend)
         assert got == expected, backend
     as_bits(k[1])[int(pages[segments[0][0]]) * page_size, start, 3] ^= 1  # a bit of layer 1's K
-    changed = page_digests(
-        k, v, pages, segments, head_start=start, num_heads=count, page_size=page_size,
-        backend="triton",
-    )  # fmt: skip
+    changed = slice_digests(k, v, pages, segments, heads, "triton")
     assert changed[0][2] != expected[0][2] and changed[0][:2] == expected[0][:2]
 
 

@@ -13,7 +13,7 @@ import torch
 from pdctl.staging.buffer import init_staging_allocator
 from pdctl.staging.digest import block_digests
 from pdctl.staging.handler import DecodeStagingHandler
-from pdctl.staging.kernels import gather_all_layers_to_staging
+from pdctl.staging.kernels import gather_slice
 from pdctl.staging.layout import StagingLayout, head_slices, plan_segments, rank_heads
 from tests.staging.kv_factory import as_bits, random_kv, random_pages
 
@@ -70,10 +70,7 @@ def test_requests_move_through_a_wrapping_ring(prefill_tp, decode_tp, backend) -
                 sent = []
                 for writer, piece in enumerate(handler.layout.slices):  # each prefill rank's write
                     pk, pv = prefill[piece.prefill_rank]
-                    n = gather_all_layers_to_staging(
-                        pk, pv, pages, gather_buffer, src_head_start=piece.src_head_start,
-                        num_heads=piece.num_heads, page_size=PAGE, backend=backend,
-                    )  # fmt: skip
+                    n = gather_slice(pk, pv, pages, gather_buffer, piece.source(PAGE), backend)
                     sent.append(block_digests(gather_buffer[:n], LAYERS))
                     start = handler.layout.block_offset(writer, tokens)
                     handler.ring.view(region)[start : start + n].copy_(

@@ -14,7 +14,7 @@ from pdctl.staging import handler as handler_module
 from pdctl.staging.buffer import init_staging_allocator
 from pdctl.staging.digest import block_digests
 from pdctl.staging.handler import DecodeStagingHandler, DigestMismatch, LandFaults
-from pdctl.staging.kernels import gather_all_layers_to_staging
+from pdctl.staging.kernels import KVSlice, gather_slice
 from pdctl.staging.layout import Segment, StagingLayout, head_slices, plan_segments
 from tests.staging.kv_factory import as_bits, random_kv, random_pages
 
@@ -42,9 +42,7 @@ def make_handler(ring_bytes: int = 1 << 16):
 def fill_region(handler, region, segment, prefill_k, prefill_v, pages) -> list[list[int]]:
     """Act as prefill + transport: gather into the ring region, return the digests sent."""
     view = handler.ring.view(region)
-    gather_all_layers_to_staging(
-        prefill_k, prefill_v, pages, view, src_head_start=0, num_heads=2, page_size=PAGE
-    )
+    gather_slice(prefill_k, prefill_v, pages, view, KVSlice(0, 2, PAGE))
     return [block_digests(view, LAYERS)]
 
 
@@ -196,10 +194,7 @@ def write_offer(handler, offer, prefill, src_pages) -> list[list[int]]:
         start = offer.address - ring.ptr + handler.layout.block_offset(writer, tokens)
         block = ring.view(start, handler.layout.block_bytes(writer, tokens))
         pk, pv = prefill[piece.prefill_rank]
-        gather_all_layers_to_staging(
-            pk, pv, pages, block, src_head_start=piece.src_head_start,
-            num_heads=piece.num_heads, page_size=PAGE,
-        )  # fmt: skip
+        gather_slice(pk, pv, pages, block, piece.source(PAGE))
         sent.append(block_digests(block, LAYERS))
     return sent
 
@@ -300,9 +295,7 @@ def test_check_pages_names_a_corrupted_page_in_a_later_segment() -> None:
         for segment in plan:
             chunk = pages[segment.page_start : segment.page_start + segment.num_pages]
             block = torch.empty(2 * LAYERS * len(chunk) * PAGE * 2 * DIM * 4, dtype=torch.uint8)
-            gather_all_layers_to_staging(
-                pk, pv, chunk, block, src_head_start=0, num_heads=2, page_size=PAGE
-            )
+            gather_slice(pk, pv, chunk, block, KVSlice(0, 2, PAGE))
             digests += block_digests(block, LAYERS)
             for layer in range(LAYERS):  # the direct write: heads into decode's pages
                 rows = torch.tensor([p * PAGE + i for p in chunk for i in range(PAGE)])

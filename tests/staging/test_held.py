@@ -132,10 +132,9 @@ class StandIns:
         self.slot_ids = torch.full((8,), -1, dtype=torch.int64)  # the slot's pinned ids
         check = native.check_function() or 0
         addresses = [held_replay.address(f) for f in self.functions]
-        args = held_replay.ReplayArgs(
-            *addresses[:4], 0xD000, self.slot_ids.data_ptr(), 64, 0x51, 0xE1, 0x61, 0xE2,
-            addresses[4], check, 8,
-        )  # fmt: skip
+        ids = (0xD000, self.slot_ids.data_ptr(), 64)  # device, pinned, bytes
+        handles = (0x51, 0xE1, 0x61, 0xE2)  # upload stream, its event, graph, slot's event
+        args = held_replay.ReplayArgs(*addresses[:4], *ids, *handles, addresses[4], check, 8)
         self.replay = held_replay.HeldReplay(library, args, self.functions)
 
     def make(self, name: str, *argtypes: object) -> object:

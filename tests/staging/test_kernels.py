@@ -11,9 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdctl.staging.kernels import (
+    KVSlice,
     gather_all_layers_to_staging,
+    gather_slice,
     native,
     reference,
+    scatter_slice,
     scatter_staging_to_kv,
 )
 from pdctl.staging.layout import head_slices
@@ -32,16 +35,7 @@ def run_case(backend, layers, page_size, split, dtype, seed, head_dim=16, device
     staging = torch.empty(
         2 * layers * 5 * page_size * count * head_dim * 8 + 64, dtype=torch.uint8, device=device
     )
-    nbytes = gather_all_layers_to_staging(
-        k,
-        v,
-        pages,
-        staging,
-        src_head_start=start,
-        num_heads=count,
-        page_size=page_size,
-        backend=backend,
-    )
+    nbytes = gather_slice(k, v, pages, staging, KVSlice(start, count, page_size), backend)
     expected = naive_gather(k, v, pages, page_size, start, count)
     got = staging[:nbytes].view(expected.dtype).view(expected.shape)
     assert torch.equal(got, expected)
@@ -50,10 +44,8 @@ def run_case(backend, layers, page_size, split, dtype, seed, head_dim=16, device
     before = [as_bits(t).clone() for t in k2 + v2]
     dst_pages = random_pages(pool_pages, 5, seed + 2)
     dst_start = heads - count
-    used = scatter_staging_to_kv(
-        staging, k2, v2, dst_pages.tolist(), page_size=page_size,
-        dst_head_start=dst_start, num_heads=count, backend=backend,
-    )  # fmt: skip
+    into = KVSlice(dst_start, count, page_size)
+    used = scatter_slice(staging, k2, v2, dst_pages.tolist(), into, backend)
     assert used == nbytes
     rows = torch.tensor(
         [int(p) * page_size + i for p in dst_pages for i in range(page_size)], device=device
@@ -159,10 +151,7 @@ def test_multi_writer_region_scatters_each_block_to_its_heads() -> None:
     offset = 0
     for piece in slices:
         pk, pv = prefill[piece.prefill_rank]
-        offset += gather_all_layers_to_staging(
-            pk, pv, pages, region[offset:], src_head_start=piece.src_head_start,
-            num_heads=piece.num_heads, page_size=page_size,
-        )  # fmt: skip
+        offset += gather_slice(pk, pv, pages, region[offset:], piece.source(page_size))
     k_dec = [torch.zeros_like(t) for t in k_full]
     v_dec = [torch.zeros_like(t) for t in v_full]
     used = scatter_staging_to_kv(region, k_dec, v_dec, pages, page_size=page_size, writers=slices)
@@ -208,12 +197,28 @@ def test_bad_arguments_are_clear_errors(change, message) -> None:
         "page_size": 4,
     }
     args = change(args)
+    k, v, pages, staging = (
+        args[key] for key in ("k_buffers", "v_buffers", "page_indices", "staging")
+    )
+    heads = KVSlice(args["src_head_start"], args["num_heads"], args["page_size"])
     with pytest.raises(ValueError, match=message):
-        gather_all_layers_to_staging(
-            args["k_buffers"], args["v_buffers"], args["page_indices"], args["staging"],
-            src_head_start=args["src_head_start"], num_heads=args["num_heads"],
-            page_size=args["page_size"], backend=args.get("backend"),
-        )  # fmt: skip
+        gather_slice(k, v, pages, staging, heads, args.get("backend"))
+
+
+def test_the_keyword_forms_are_the_slice_forms() -> None:
+    """`gather_all_layers_to_staging` and `scatter_staging_to_kv`'s one block (the forms
+    callers outside staging use) copy what `gather_slice` and `scatter_slice` copy."""
+    k, v = random_kv(2, 32, 4, 8, torch.bfloat16, seed=5)
+    pages, heads = random_pages(8, 3, seed=5), KVSlice(1, 2, 4)
+    by_slice, by_keywords = (torch.full((4096,), fill, dtype=torch.uint8) for fill in (0, 1))
+    n = gather_slice(k, v, pages, by_slice, heads)
+    keywords = {"num_heads": 2, "page_size": 4}
+    assert gather_all_layers_to_staging(k, v, pages, by_keywords, src_head_start=1, **keywords) == n
+    assert torch.equal(by_slice[:n], by_keywords[:n])
+    k1, v1, k2, v2 = ([torch.zeros_like(t) for t in k] for _ in range(4))
+    assert scatter_slice(by_slice, k1, v1, pages, heads) == n
+    assert scatter_staging_to_kv(by_slice, k2, v2, pages, dst_head_start=1, **keywords) == n
+    assert all(torch.equal(as_bits(a), as_bits(b)) for a, b in zip(k1 + v1, k2 + v2, strict=True))
 
 
 def test_gather_takes_no_gpu_id() -> None:
@@ -243,31 +248,14 @@ def test_buffers_sharing_one_storage_take_the_fused_path(
     v = [kv[layer, 1] for layer in range(layers)]
     pages = random_pages(10, 4, seed=page_size + start)
     staging = torch.empty(1 << 16, dtype=torch.uint8)
-    n = gather_all_layers_to_staging(
-        k,
-        v,
-        pages,
-        staging,
-        src_head_start=start,
-        num_heads=count,
-        page_size=page_size,
-        backend="torch",
-    )
+    heads = KVSlice(start, count, page_size)
+    n = gather_slice(k, v, pages, staging, heads, "torch")
     expected = naive_gather(k, v, pages, page_size, start, count)
     assert torch.equal(staging[:n].view(expected.dtype).view(expected.shape), expected)
     target = torch.zeros_like(kv)
     tk = [target[layer, 0] for layer in range(layers)]
     tv = [target[layer, 1] for layer in range(layers)]
-    scatter_staging_to_kv(
-        staging,
-        tk,
-        tv,
-        pages,
-        page_size=page_size,
-        dst_head_start=start,
-        num_heads=count,
-        backend="torch",
-    )
+    scatter_slice(staging, tk, tv, pages, heads, "torch")
     rows = torch.tensor([int(p) * page_size + i for p in pages for i in range(page_size)])
     mask = torch.zeros_like(kv, dtype=torch.bool)
     mask[:, :, rows, start : start + count] = True
