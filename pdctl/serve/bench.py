@@ -14,7 +14,7 @@ import argparse
 import json
 import threading
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -40,7 +40,26 @@ DTYPES = {"cpu": torch.float32}
 THREADS = torch.get_num_threads()  # torch's own default, before any server setting
 
 
-def run_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int) -> dict[str, Any]:
+class Timing(TypedDict):
+    """One batch's requests run to the end together."""
+
+    batch: int
+    tokens_per_s: float
+    step_ms: float
+    steps: int
+    seconds: float
+
+
+class Row(Timing):
+    """A row of the report: the timing with its mode and its steps replayed as graphs."""
+
+    mode: str
+    kernels: str
+    graph_steps: int
+    vs_bound: float
+
+
+def run_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int) -> Timing:
     remaining = [batch]
     done = threading.Event()
     lock = threading.Lock()
@@ -139,7 +158,7 @@ def main() -> None:
     nbytes, bandwidth = weight_bytes(weights), read_gbps(device)
     bound_ms = nbytes / (bandwidth * 1e9) * 1e3
     engine.start()
-    rows = []
+    rows: list[Row] = []
     for mode in modes:
         ops.set_deterministic(mode == "deterministic")
         if device.type == "cpu":  # the servers' setting: one thread when deterministic
@@ -147,10 +166,15 @@ def main() -> None:
         for batch in args.batches.split(","):
             run_batch(engine, int(batch), 32, 4)  # warm-up: Triton's compile, graph captures
             replays = graphs.replays
-            row = run_batch(engine, int(batch), 32, args.new_tokens)
-            row["graph_steps"] = graphs.replays - replays
-            row["vs_bound"] = round(row["step_ms"] / bound_ms, 1)
-            rows.append({"mode": mode, "kernels": ops.kernel_mode(device.type), **row})
+            timing = run_batch(engine, int(batch), 32, args.new_tokens)
+            row: Row = {
+                "mode": mode,
+                "kernels": ops.kernel_mode(device.type),
+                **timing,
+                "graph_steps": graphs.replays - replays,
+                "vs_bound": round(timing["step_ms"] / bound_ms, 1),
+            }
+            rows.append(row)
     engine.stop()
     report = {
         "preset": args.preset,

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from pdctl.records import JSONValue
 from pdctl.serve.model import ops
 from pdctl.serve.model.batch import Piece
 from pdctl.serve.model.decode_batch import DecodeLayout, decode_refusal
@@ -117,7 +118,7 @@ class DecodeGraphs:
     def captured(self) -> list[int]:
         return sorted({size for size, _ in self._steps})
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, JSONValue]:
         """What the server reports: whether decode steps replay graphs, and if not why."""
         return {
             "enabled": self.off is None,

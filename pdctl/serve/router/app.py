@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -21,6 +21,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 
+from pdctl.records import JSONValue
 from pdctl.serve.api.errors import error_body
 from pdctl.serve.api.guards import MAX_BODY_BYTES, guard_json_depth, refuse_oversized
 from pdctl.serve.api.openai_schemas import ChatBody, CompletionBody
@@ -63,7 +64,7 @@ def error(message: str, status: int) -> JSONResponse:
     return JSONResponse(error_body(message, status=status), status_code=status)
 
 
-async def read_body(request: HttpRequest) -> dict[str, Any] | JSONResponse:
+async def read_body(request: HttpRequest) -> dict[str, JSONValue] | JSONResponse:
     refused = refuse_oversized(request, MAX_BODY_BYTES)
     if refused is not None:
         return JSONResponse(error_body(refused[1]), status_code=refused[0])
@@ -73,10 +74,10 @@ async def read_body(request: HttpRequest) -> dict[str, Any] | JSONResponse:
         return error("the body is not valid JSON", 400)
     if not isinstance(body, dict):
         return error("the body must be a JSON object", 400)
-    return body
+    return body  # JSON as decoded: the router reads a few fields and forwards the rest
 
 
-def batch_key(path: str, body: dict[str, Any]) -> str | None:
+def batch_key(path: str, body: Mapping[str, JSONValue]) -> str | None:
     """The key whose list is a batch of prompts on `path` (a chat is one prompt)."""
     if path == "/v1/completions":
         return "prompt"
@@ -89,13 +90,13 @@ async def forward(
     state: RouterState,
     client: httpx.AsyncClient,
     path: str,
-    body: dict[str, Any],
+    body: dict[str, JSONValue],
     headers: Headers,
 ) -> Response:
     key = batch_key(path, body)
     parts = split_batch(body, key) if key else None
 
-    def one(part: dict[str, Any]) -> Awaitable[Any]:
+    def one(part: dict[str, JSONValue]) -> Awaitable[Any]:
         if state.flow == "vllm":
             return vllm_flow.route_one(state, client, path, part, headers)
         return route_one(state, client, path, part)
@@ -118,7 +119,11 @@ async def forward(
 
 
 async def stream(
-    state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: Headers
+    state: RouterState,
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, JSONValue],
+    headers: Headers,
 ) -> Response:
     """A streamed answer: decode's events. In vLLM's flow prefill runs first, so its
     failure is still an HTTP error naming it, before any event."""
@@ -192,7 +197,7 @@ def add_own(app: FastAPI, state: RouterState) -> None:
         return error(state.not_ready_reason(), 503)
 
     @app.get("/get_server_info")
-    async def server_info() -> dict[str, Any]:
+    async def server_info() -> dict[str, object]:  # serialized only
         return {
             "role": "router",
             "prefill": [w.to_json() for w in state.prefill],

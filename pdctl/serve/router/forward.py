@@ -12,12 +12,12 @@ import contextlib
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import httpx
 
-from pdctl.records import KVTransfer
+from pdctl.records import JSONValue, KVTransfer
 from pdctl.serve.api.errors import error_body
 from pdctl.serve.router.workers import RouterState, Worker
 
@@ -44,7 +44,7 @@ async def post(
     client: httpx.AsyncClient,
     worker: Worker,
     path: str,
-    body: dict[str, Any],
+    body: Mapping[str, JSONValue],
     headers: dict[str, str] | None = None,
 ) -> httpx.Response:
     """POST to a worker; SideFailed naming it when it cannot be reached or refuses."""
@@ -62,7 +62,7 @@ async def post(
     return response
 
 
-def _with_bootstrap(body: dict[str, Any], prefill: Worker) -> dict[str, Any]:
+def _with_bootstrap(body: Mapping[str, JSONValue], prefill: Worker) -> dict[str, JSONValue]:
     return {
         **body,
         "bootstrap_host": prefill.host,
@@ -77,7 +77,7 @@ def failed_events(message: str, status: int) -> list[bytes]:
     return [f"data: {body}\n\n".encode(), b"data: [DONE]\n\n"]
 
 
-def split_batch(body: dict[str, Any], key: str) -> list[dict[str, Any]] | None:
+def split_batch(body: Mapping[str, JSONValue], key: str) -> list[dict[str, JSONValue]] | None:
     """A batch body as one body per prompt, or None when it is one prompt."""
     value = body.get(key)
     if key == "input_ids" and isinstance(value, list) and value and isinstance(value[0], list):
@@ -95,8 +95,12 @@ def split_batch(body: dict[str, Any], key: str) -> list[dict[str, Any]] | None:
 
 
 async def _encode(
-    state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any], prefill: Worker
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    state: RouterState,
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, JSONValue],
+    prefill: Worker,
+) -> tuple[dict[str, JSONValue], JSONValue]:
     """EPD: a request with images goes to an encoder first, which writes the embeddings
     into `prefill`'s pool. Returns the body that goes on (the expanded prompt instead of
     the images) and what the encoder moved, for the answer's meta_info."""
@@ -108,7 +112,7 @@ async def _encode(
     if encoder is None:
         raise SideFailed(None, "this topology has no encoder for images", 400)
     room = secrets.randbits(63)
-    request = {
+    request: dict[str, JSONValue] = {
         **body,
         "bootstrap_host": prefill.host,
         "bootstrap_port": prefill.bootstrap_port,
@@ -116,7 +120,7 @@ async def _encode(
     }
     encoded = (await post(client, encoder, "/encode", request)).json()
     rest = {k: v for k, v in body.items() if k not in ("image", "images", "text", "input_ids")}
-    routed = {
+    routed: dict[str, JSONValue] = {
         **rest,
         "input_ids": encoded["input_ids"],
         "mm_items": encoded["mm_items"],
@@ -125,15 +129,16 @@ async def _encode(
     return routed, encoded.get("embedding_transfer")
 
 
-def _add_prefill_side(meta: dict[str, Any], prefill_answer: Any) -> None:
+def _add_prefill_side(meta: dict[str, JSONValue], prefill_answer: JSONValue) -> None:
     """Decode's kv_transfer times the receive; prefill's times the send. Both go in
     the answer: `write_ms` (prefill gathering, digesting and writing, the part the
     staging kernels and the transport own) and `send_ms` (prefill's whole send,
     waits for decode's ring regions included), with `gather_ms` and `digest_ms`, the
     parts of write_ms spent gathering and taking digests."""
     sent = None
-    if isinstance(prefill_answer, dict) and isinstance(prefill_answer.get("meta_info"), dict):
-        sent = prefill_answer["meta_info"].get("kv_transfer")
+    if isinstance(prefill_answer, dict):
+        prefill_meta = prefill_answer.get("meta_info")
+        sent = prefill_meta.get("kv_transfer") if isinstance(prefill_meta, dict) else None
     if not isinstance(meta.get("kv_transfer"), dict) or not isinstance(sent, dict):
         return
     try:
@@ -146,7 +151,7 @@ def _add_prefill_side(meta: dict[str, Any], prefill_answer: Any) -> None:
 
 
 async def route_one(
-    state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any]
+    state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, JSONValue]
 ) -> Any:
     prefill, decode = state.pick()
     async with prefill.slot(), decode.slot():  # prefill's first, always (workers.py)
@@ -179,7 +184,7 @@ async def route_one(
 
 
 async def route_stream(
-    state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any]
+    state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, JSONValue]
 ) -> AsyncIterator[bytes]:
     prefill, decode = state.pick()
     async with prefill.slot(), decode.slot():  # prefill's first, always (workers.py)
@@ -211,15 +216,34 @@ async def route_stream(
             prefill_task.cancel()
 
 
-def merge_completions(parts: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_completions(parts: list[dict[str, JSONValue]]) -> dict[str, JSONValue]:
+    """A batch's completions, one per prompt, as one: the first's fields, each one's
+    choice at its index, the usage summed (a part that is no completion: TypeError)."""
     merged = dict(parts[0])
-    merged["choices"] = [{**part["choices"][0], "index": i} for i, part in enumerate(parts)]
+    merged["choices"] = [{**_first_choice(part), "index": i} for i, part in enumerate(parts)]
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     for part in parts:
+        counts = part.get("usage", {})
+        if not isinstance(counts, dict):
+            raise TypeError(f"a completion's usage is {counts!r}")
         for key in usage:
-            usage[key] += int(part.get("usage", {}).get(key, 0))
-    merged["usage"] = usage
+            usage[key] += int(_number(counts.get(key, 0)))
+    merged["usage"] = dict(usage)
     return merged
+
+
+def _first_choice(part: dict[str, JSONValue]) -> dict[str, JSONValue]:
+    choices = part["choices"]
+    first = choices[0] if isinstance(choices, list) else None
+    if not isinstance(first, dict):
+        raise TypeError(f"a completion's choices are {choices!r}")
+    return first
+
+
+def _number(value: JSONValue) -> int | float | str:
+    if isinstance(value, (int, float, str)):
+        return value  # int() takes it, as before: an int, a float, digits
+    raise TypeError(f"a count is {value!r}")
 
 
 async def forward_get(state: RouterState, client: httpx.AsyncClient, path: str) -> httpx.Response:

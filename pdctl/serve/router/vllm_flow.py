@@ -23,10 +23,11 @@ from typing import Any
 
 import httpx
 
+from pdctl.records import JSONValue
 from pdctl.serve.router.forward import SideFailed, failed_events, post
 from pdctl.serve.router.workers import RouterState, Worker
 
-REMOTE_DECODE = {
+REMOTE_DECODE: dict[str, JSONValue] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
     "remote_engine_id": None,
@@ -36,7 +37,7 @@ REMOTE_DECODE = {
 }
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(body: Mapping[str, JSONValue]) -> dict[str, JSONValue]:
     """What prefill computes: the prompt, one token, no stream, KV kept for decode."""
     routed = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     routed |= {"max_tokens": 1, "stream": False, "kv_transfer_params": dict(REMOTE_DECODE)}
@@ -51,8 +52,12 @@ def request_id(headers: Mapping[str, str]) -> str:
 
 
 async def prefilled(
-    state: RouterState, client: httpx.AsyncClient, path: str, body: dict[str, Any], rid: str
-) -> tuple[Worker, dict[str, Any]]:
+    state: RouterState,
+    client: httpx.AsyncClient,
+    path: str,
+    body: Mapping[str, JSONValue],
+    rid: str,
+) -> tuple[Worker, dict[str, JSONValue]]:
     """Step 1 and 2: the decode worker's body, with prefill's kv_transfer_params."""
     prefill, decode = state.pick()
     async with prefill.slot():
@@ -73,7 +78,7 @@ async def route_one(
     state: RouterState,
     client: httpx.AsyncClient,
     path: str,
-    body: dict[str, Any],
+    body: Mapping[str, JSONValue],
     headers: Mapping[str, str],
 ) -> Any:
     rid = request_id(headers)
@@ -84,7 +89,7 @@ async def route_one(
 
 
 async def stream_from_decode(
-    client: httpx.AsyncClient, decode: Worker, path: str, routed: dict[str, Any], rid: str
+    client: httpx.AsyncClient, decode: Worker, path: str, routed: dict[str, JSONValue], rid: str
 ) -> AsyncIterator[bytes]:
     """Step 3 streamed: decode's events as they come; a failure as one error event."""
     async with decode.slot():
