@@ -5,6 +5,7 @@ counted and reported. `tests/cli/test_bench_soak.py` proves the whole under load
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -24,7 +25,7 @@ from pdctl.serve.engine.sampling import SamplingParams
 from pdctl.serve.engine.scheduler import Budget, Scheduler
 from pdctl.serve.model.batch import Piece
 from pdctl.serve.pd.client import PeerCallError
-from pdctl.serve.pd.fence import Fence, WriterLiveness, process_identity
+from pdctl.serve.pd.fence import Fence, WriterLiveness, my_identity
 from pdctl.serve.tokenizer import ByteTokenizer
 from tests.polling import wait_until
 
@@ -165,7 +166,7 @@ def test_a_prefill_alive_on_this_host_is_not_taken_for_gone() -> None:
     rooms wait (here until the bound, then they go back counted unconfirmed)."""
     client = FakeClient(PeerCallError("prefill unreachable: connection refused", refused=True))
     fence = Fence("decode rank 0", lambda address: client, bound_s=0.5)  # type: ignore[arg-type,return-value]
-    fence.liveness.watch("p:1", process_identity())  # this very process: alive
+    fence.liveness.watch("p:1", my_identity())  # this very process: alive
     released = threading.Event()
     fence.add(8, "p:1", "decode: gave up", released.set)
     time.sleep(0.2)
@@ -179,7 +180,7 @@ def test_a_pidfd_sees_a_writer_end() -> None:
     pid = os.fork()
     if pid == 0:
         os._exit(0)
-    liveness.watch("p:1", {**process_identity(), "pid": pid})
+    liveness.watch("p:1", dataclasses.replace(my_identity(), pid=pid))
     os.waitpid(pid, 0)
     assert liveness.gone("p:1", PeerCallError("timed out"))
     assert not liveness.gone("elsewhere:1", PeerCallError("timed out"))  # no pidfd, not refused

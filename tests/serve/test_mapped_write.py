@@ -110,7 +110,7 @@ def test_an_armed_write_lands_when_fired_and_decode_is_told(bell: bool) -> None:
         box.close()
     else:
         assert len(transport.notices) == 1
-        assert proto.parse_notify(transport.notices[0])["digests"] == expected
+        assert proto.parse_notify(transport.notices[0]).digests == expected
 
 
 def test_an_observer_runs_the_arm_and_the_launch_and_hears_the_write() -> None:

@@ -17,7 +17,6 @@ import base64
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -66,7 +65,7 @@ class EmbeddingReceiver:
                 self.pool.free(entry.slot)
                 del self.entries[room]
 
-    def alloc(self, room: int, num_tokens: int, hidden: int, dtype: str) -> dict[str, Any]:
+    def alloc(self, room: int, num_tokens: int, hidden: int, dtype: str) -> dict[str, str | int]:
         if hidden != self.hidden_size:
             raise EmbeddingError(f"hidden size {hidden}, but this model's is {self.hidden_size}")
         if dtype not in DTYPES:
@@ -128,7 +127,7 @@ class EmbeddingReceiver:
             self.received["bytes"] += rows.numel() * rows.element_size()
         return rows
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, int]:
         with self.lock:
             return {"open": len(self.entries), **self.received}
 

@@ -32,23 +32,28 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pdctl.serve.pd.client import Client, PeerCallError
+from pdctl.serve.pd.protocol import ProcessIdentity
 
 log = logging.getLogger("pdctl.serve")
 POLL_S = 0.5  # one fence call waits at most this long for a room to turn quiet
 RETRY_S = 0.1  # after a call that failed, before the next
 
 
-def process_identity() -> dict[str, Any]:
-    """This process's pid and its host's boot id: a peer on the same host can watch
-    its end (a pidfd) where the boot ids match."""
+def my_identity() -> ProcessIdentity:
+    """This process's pid and its host's boot id: a peer on the same host can watch its
+    end (a pidfd) where the boot ids match."""
     try:
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot_id = None
-    return {"pid": os.getpid(), "boot_id": boot_id}
+    return ProcessIdentity(os.getpid(), boot_id)
+
+
+def process_identity() -> dict[str, int | str | None]:
+    """`my_identity` as JSON (prefill's `/bootstrap/info` carries it)."""
+    return my_identity().to_json()
 
 
 class WriterLiveness:
@@ -56,17 +61,18 @@ class WriterLiveness:
     host, else a refused connection."""
 
     def __init__(self) -> None:
-        self.mine = process_identity()["boot_id"]
+        self.mine = my_identity().boot_id
         self._pidfds: dict[str, int | None] = {}
         self._lock = threading.Lock()
 
-    def watch(self, address: str, info: dict[str, Any]) -> None:
-        """Prefill's `/bootstrap/info`, just fetched (so its pid is its own now)."""
-        pid = info.get("pid")
+    def watch(self, address: str, process: ProcessIdentity) -> None:
+        """Prefill's process, from its `/bootstrap/info` just fetched (so its pid is its
+        own now)."""
+        pid = process.pid
         with self._lock:
-            if address in self._pidfds or not isinstance(pid, int) or pid <= 0:
+            if address in self._pidfds or pid is None or pid <= 0:
                 return
-            same_host = self.mine is not None and info.get("boot_id") == self.mine
+            same_host = self.mine is not None and process.boot_id == self.mine
             try:
                 self._pidfds[address] = os.pidfd_open(pid) if same_host else None
             except (OSError, AttributeError):  # gone already, or no pidfds here

@@ -13,6 +13,7 @@ tensors. Nothing is pickled.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -131,6 +132,43 @@ class Registration:
         return Registration(**{**data, "segments": segments, "bell": bell})
 
 
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """A process's pid and its host's boot id (in prefill's `/bootstrap/info`): a peer on
+    the same host can watch its end (a pidfd) where the boot ids match."""
+
+    pid: int | None
+    boot_id: str | None
+
+    @staticmethod
+    def from_json(data: Mapping[str, object]) -> ProcessIdentity:
+        """The identity in a JSON object (a field missing or of another type: None)."""
+        pid, boot_id = data.get("pid"), data.get("boot_id")
+        return ProcessIdentity(
+            pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+            boot_id if isinstance(boot_id, str) else None,
+        )
+
+    def to_json(self) -> dict[str, int | str | None]:
+        return {"pid": self.pid, "boot_id": self.boot_id}
+
+
+@dataclass(frozen=True)
+class PrefillInfo:
+    """What decode reads of prefill's `/bootstrap/info`: its TP, its KV heads, its process."""
+
+    tp: int
+    num_kv_heads: int
+    process: ProcessIdentity
+
+    @staticmethod
+    def from_json(data: object) -> PrefillInfo:
+        if not isinstance(data, dict):
+            raise ValueError("prefill's info is a JSON object")
+        tp, heads = json_int(data, "tp"), json_int(data, "num_kv_heads")
+        return PrefillInfo(tp, heads, ProcessIdentity.from_json(data))
+
+
 INT_FIELDS = (
     "room",
     "decode_rank",
@@ -195,10 +233,19 @@ def notify_message(room: int, segment: int, writer: int, digests: list[int], nby
     )
 
 
-def parse_notify(message: bytes) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Notified:
+    """A notification's body: the writer's digests ([segment][L0.K, L0.V, ...] flat) and
+    the bytes it wrote (None where it did not say)."""
+
+    digests: list[int]
+    nbytes: int | None
+
+
+def parse_notify(message: bytes) -> Notified:
     _, _, body = message.partition(b"|")
-    value: dict[str, Any] = json.loads(body)
-    return value
+    value = json.loads(body)
+    return Notified(list(value["digests"]), value.get("bytes"))
 
 
 def json_tensor(value: Any) -> torch.Tensor:

@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
@@ -50,6 +50,24 @@ MAX_ABORTED = 4096  # aborted rooms remembered (an abort may come before or afte
 
 class ReceiveFailed(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Received:
+    """What one rank's receive of a room did; notice: how its writers told it."""
+
+    nbytes: int
+    segments: int  # staged segments (0: direct)
+    staging: bool
+    notice: str  # "message" | "bell" (every writer rang its doorbell)
+
+    def to_json(self) -> dict[str, int | bool | str]:
+        return {
+            "bytes": self.nbytes,
+            "segments": self.segments,
+            "staging": self.staging,
+            "notice": self.notice,
+        }
 
 
 def segment_region(offer: Offer) -> proto.SegmentRegion:
@@ -110,7 +128,7 @@ class KVReceiver:
         self.ring_lock = threading.RLock()
         self.handlers: dict[int, DecodeStagingHandler] = {}  # prefill TP -> handler
         self.handlers_lock = threading.Lock()  # guards the dicts (handlers, aborted), no work
-        self.infos: dict[str, dict[str, Any]] = {}
+        self.infos: dict[str, proto.PrefillInfo] = {}
         self.clients: dict[str, Client] = {}
         self.executor = ThreadPoolExecutor(4, thread_name_prefix=f"pdctl-recv-{rank}")
         self.heads_total = kv.k_buffers[0].shape[1]
@@ -129,10 +147,11 @@ class KVReceiver:
             )
         return self.clients[address]
 
-    def prefill_info(self, address: str, deadline: float) -> dict[str, Any]:
+    def prefill_info(self, address: str, deadline: float) -> proto.PrefillInfo:
         if address not in self.infos:
-            info = self.client(address).call("GET", "/bootstrap/info", retry_until=deadline)
-            self.fence.liveness.watch(address, info)
+            body = self.client(address).call("GET", "/bootstrap/info", retry_until=deadline)
+            info = proto.PrefillInfo.from_json(body)
+            self.fence.liveness.watch(address, info.process)
             self.infos[address] = info
         return self.infos[address]
 
@@ -168,8 +187,9 @@ class KVReceiver:
         try:
             self._raise_if_aborted(room)  # given up while queued: nothing to register
             stats = self._receive(room, pages, num_tokens, bootstrap, ready)
-            stats["transfer_ms"] = round((time.monotonic() - started) * 1e3, 3)
-            self.report(room, {"rank": self.rank, "ok": True, **stats})
+            transfer_ms = round((time.monotonic() - started) * 1e3, 3)
+            body = {"rank": self.rank, "ok": True, **stats.to_json(), "transfer_ms": transfer_ms}
+            self.report(room, body)
         except (ReceiveFailed, TransportError, PeerCallError) as exc:
             log.warning("room %s: %s", room, exc)
             self._failed(room, bootstrap, str(exc))
@@ -195,10 +215,10 @@ class KVReceiver:
 
     def _receive(
         self, room: int, pages: list[int], num_tokens: int, bootstrap: str, ready: Any
-    ) -> dict[str, Any]:
+    ) -> Received:
         deadline = time.monotonic() + self.bootstrap_timeout
         info = self.prefill_info(bootstrap, deadline)
-        prefill_tp, heads = int(info["tp"]), int(info["num_kv_heads"])
+        prefill_tp, heads = info.tp, info.num_kv_heads
         staged = self.staging and prefill_tp != self.tp
         base = proto.Registration(
             room=room,
@@ -266,7 +286,7 @@ class KVReceiver:
         handler: DecodeStagingHandler,
         bootstrap: str,
         ready: Any,
-    ) -> dict[str, Any]:
+    ) -> Received:
         drop = RoomFaults.for_decode().drop_first_scatter  # fault injection, drawn once
         handler.open_room(room, pages, ready=ready, faults=LandFaults(skip_first_scatter=drop))
         landed = False  # every segment: no writer has anything left to write here
@@ -298,7 +318,7 @@ class KVReceiver:
                 total += region.size
                 self._offer_more(handler, room, plan, bootstrap)
             landed = True
-            return {"bytes": total, "segments": len(plan), "staging": True, "notice": "message"}
+            return Received(total, len(plan), staging=True, notice="message")
         finally:
             handler.close_room(room, fence=not landed)  # `_failed` hands them to the fence
 
@@ -359,7 +379,7 @@ class KVReceiver:
                     except TransportError:
                         continue
                 if note is not None:
-                    digests.append(list(proto.parse_notify(note.message)["digests"]))
+                    digests.append(proto.parse_notify(note.message).digests)
                     break
         return digests, rang
 
@@ -393,7 +413,7 @@ class KVReceiver:
         registration: proto.Registration,
         handler: DecodeStagingHandler,
         bootstrap: str,
-    ) -> dict[str, Any]:
+    ) -> Received:
         registration.pages = list(pages)
         registration.kv_bases = [
             [tensor_ptr(k), tensor_ptr(v)]
@@ -419,4 +439,4 @@ class KVReceiver:
             raise self._corruption(room, mismatch, "direct write")
         nbytes = len(pages) * self.kv.page_size * layout.bytes_per_token()
         notice = "bell" if len(rang) == len(layout.slices) else "message"
-        return {"bytes": nbytes, "segments": 0, "staging": False, "notice": notice}
+        return Received(nbytes, 0, staging=False, notice=notice)
