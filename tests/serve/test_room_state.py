@@ -7,13 +7,17 @@ the real thing (gloo) in prefill TP2 topologies.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
 
+import pytest
+
 from pdctl.serve.bootstrap import Rooms
 from pdctl.serve.pd import protocol as proto
-from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher, RoomWait
+from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher, RoomSnapshot, RoomWait
+from pdctl.staging.doorbell import BoxInfo, Ticket
 
 LAYOUT = {"page_size": 16, "num_layers": 2, "head_dim": 8, "elem_bytes": 4}
 
@@ -67,29 +71,66 @@ def test_a_mirror_sees_registrations_offers_and_the_end_of_a_room() -> None:
 
     thread = threading.Thread(target=sender)
     thread.start()
-    assert mirror.wait_for(7, RoomWait(ranks=1), 0.05)["registrations"] == {}  # nothing yet
+    assert mirror.wait_for(7, RoomWait(ranks=1), 0.05).registrations == {}  # nothing yet
     rooms.register(registration(7, 0))
     rooms.register(registration(7, 1))
-    assert set(mirror.wait_for(7, RoomWait(ranks=2), 5.0)["registrations"]) == {"0", "1"}
+    assert set(mirror.wait_for(7, RoomWait(ranks=2), 5.0).registrations) == {0, 1}
     as_sender = mirror.snapshot(7, 5.0, RoomWait.registered(1))  # the sender's argument order
-    assert set(as_sender["registrations"]) == {"0", "1"}
+    assert set(as_sender.registrations) == {0, 1}
     rooms.add_segments(7, 1, [segment(0)])
     rooms.add_segments(7, 1, [segment(1)])
     thread.join(10)
     state = waited["state"]
-    assert isinstance(state, dict)
-    assert [s["index"] for s in state["registrations"]["1"]["segments"]] == [0, 1]
+    assert isinstance(state, RoomSnapshot)
+    assert [s.index for s in state.registrations[1].segments] == [0, 1]
     rooms.close(7, "failed: decode went away")
     closed = mirror.wait_for(7, RoomWait.offered(0, 9), 5.0)
-    assert closed["closed"] == "failed: decode went away"  # a closed room ends every wait
+    assert closed.closed == "failed: decode went away"  # a closed room ends every wait
     publisher.close()
     deadline = time.monotonic() + 5
     while not mirror.ended and time.monotonic() < deadline:
         time.sleep(0.01)
     assert mirror.ended  # the end of the channel reached the listener
-    assert (
-        mirror.wait_for(8, RoomWait(ranks=1), 5.0)["registrations"] == {}
-    )  # at once after the end
+    assert mirror.wait_for(8, RoomWait(ranks=1), 5.0).registrations == {}  # at once after the end
+
+
+def test_a_snapshot_goes_out_as_the_registrys_own_json_byte_for_byte() -> None:
+    """Typed on arrival (rank 0's registry JSON, or the JSON a mirror receives), a
+    snapshot dumps to the very bytes the registry's own snapshot does."""
+    rooms = Rooms(LAYOUT, 30.0)
+    rooms.start(9)
+    rooms.register(registration(9, 1))  # rank 1 first: the order of arrival is kept
+    direct = registration(9, 0)
+    direct.mode, direct.pages, direct.kv_bases = "direct", [4, 2], [[4096, 8192], [12288, 16384]]
+    direct.bell = proto.BellOffer(BoxInfo("/dev/shm/box", 77, 8, 64), [Ticket(3, 5)])
+    rooms.register(direct)
+    rooms.add_segments(9, 1, [segment(0), segment(1)])
+    registry = rooms.snapshot(9)
+    typed = RoomSnapshot.of(registry)
+    assert list(typed.registrations) == [1, 0] and typed.registrations[0].bell is not None
+    assert json.dumps(typed.to_json()) == json.dumps(registry)
+    wire = RoomSnapshot.from_json(json.loads(json.dumps(registry)))  # as a mirror has it
+    assert wire == typed and json.dumps(wire.to_json()) == json.dumps(registry)
+    assert RoomSnapshot.of(typed) is typed
+    empty = RoomSnapshot.empty(9)
+    assert RoomSnapshot.from_json(json.loads(json.dumps(empty.to_json()))) == empty
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"started": 1},
+        {"closed": 5},
+        {"registrations": []},
+        {"room": -1},
+        {"extra": True},
+        {"registrations": {"0": {"room": 1}}},
+    ],
+)
+def test_a_malformed_snapshot_is_refused(change: dict[str, object]) -> None:
+    data = {**RoomSnapshot.empty(3).to_json(), **change}
+    with pytest.raises(ValueError):
+        RoomSnapshot.from_json(data)
 
 
 def test_changes_that_pile_up_go_out_as_one_snapshot() -> None:
@@ -112,7 +153,7 @@ def test_changes_that_pile_up_go_out_as_one_snapshot() -> None:
     assert channel.published <= 3  # the registration, the piled-up offers, the end
     mirror = RoomMirror(channel)
     state = mirror.wait_for(3, RoomWait.offered(0, 19), 5.0)
-    assert len(state["registrations"]["0"]["segments"]) == 20
+    assert len(state.registrations[0].segments) == 20
 
 
 def test_rooms_are_purged_once_a_tick_not_at_every_lookup(monkeypatch) -> None:

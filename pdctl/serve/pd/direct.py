@@ -1,12 +1,14 @@
 """A direct room's write to one decode rank: the pages straight into decode's pool.
 
-Where the transport maps decode's pool here, the mapped write (`mapped_write`: the
-pages and their digests in one launch); elsewhere descriptors, one per run of pages
-consecutive on both sides, and the page digests read in place beside the write
-(`describe`). Decode is told by its doorbell where it offered one and its box opens
-here (after a mapped write the device rang it behind the pages; after a write by
-descriptors the host rings it, `bells`), else by the transport's notification with
-the digests. Faults wrap this writer (`corrupt_kv`); it knows none.
+Two ways (`writes.KvWrite`). `DescribedWrite` writes by descriptors, one per run of
+pages consecutive on both sides, the page digests read in place beside the write
+(`describe`: one launch on a GPU). `DirectWrite` is the mapped write (`mapped_write`:
+the pages and their digests in one launch) where the transport maps decode's pool
+here, else `DescribedWrite`. Decode is told by the write's notice (`notice`): its
+doorbell where it offered one and its box opens here (after a mapped write the device
+rang it behind the pages; after a write by descriptors the host rings it), else the
+transport's notification with the digests. Faults wrap these ways (`write_faults`);
+they know none.
 
 What this does not know: rooms' registrations' arrival, or other decode ranks.
 """
@@ -15,75 +17,58 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from pdctl.serve.pd import protocol as proto
-from pdctl.serve.pd.mapped_write import MappedWriter, RoomWrite
+from pdctl.serve.engine.kv_pool import KVPool
+from pdctl.serve.pd.bells import Ringers
+from pdctl.serve.pd.mapped_write import MappedWriter
+from pdctl.serve.pd.notice import Notice, notice_for
+from pdctl.serve.pd.writes import KvWrite, Link, RoomWrite, SendClock, Written
 from pdctl.staging.descriptors import KVRows, direct_descriptors, kv_bases
-from pdctl.staging.doorbell import DIGESTS, BellRinger, Ticket
 from pdctl.staging.kernels import start_page_digests
-from pdctl.staging.layout import Segment
-
-Buffer = Callable[[], AbstractContextManager[Any]]  # a staging buffer, held for one write
+from pdctl.staging.layout import plan_segments
 
 
 @dataclass(frozen=True)
 class Described:
-    """A write by descriptors, its digests under way: what to copy, what to tell."""
+    """A write by descriptors, its digests under way: what to copy, how to tell decode."""
 
-    src: np.ndarray
-    dst: np.ndarray
-    lengths: np.ndarray
+    copies: tuple[np.ndarray, np.ndarray, np.ndarray]  # src, dst, lengths
     nbytes: int
     digests: Callable[[], list[int]]  # waits for the page digests
-    message: Callable[[], bytes]  # the notification, with them
-    bell: tuple[BellRinger, Ticket] | None  # decode's doorbell, where it opens here
+    notice: Notice
 
 
-class DirectWriter:
-    def __init__(self, mapped: MappedWriter, buffer: Buffer) -> None:
-        self.mapped, self.buffer = mapped, buffer  # the rank, pool and transport are its
-        self.rank, self.kv, self.transport = mapped.rank, mapped.kv, mapped.transport
-        self.kv_bases = kv_bases(self.kv.k_buffers, self.kv.v_buffers)  # [L0.K, L0.V, ...]
+class DescribedWrite(KvWrite):
+    """The pages by descriptors, decode told by the write's notice."""
 
-    def write(self, write: RoomWrite, plan: tuple[Segment, ...], clock: Any) -> int:
-        """Write and tell decode; returns the bytes written. `clock.digest` gathers the
-        seconds spent on digests."""
-        mapped = self.mapped.start(write)
-        if mapped is not None:
-            self.mapped.finish(mapped)
-            return mapped.nbytes
-        found = self.describe(write, plan, clock)
-        if found.bell is not None:  # the bytes are in place once `write` returns: ring
-            self.transport.write(write.peer, found.src, found.dst, found.lengths)
-            found.bell[0].ring(found.bell[1], DIGESTS, found.digests())
-        else:
-            self.transport.write(
-                write.peer, found.src, found.dst, found.lengths, notify=found.message
-            )
-        return found.nbytes
+    def __init__(self, rank: int, kv: KVPool, ringers: Ringers) -> None:
+        self.rank, self.kv, self.ringers = rank, kv, ringers
+        self.kv_bases = kv_bases(kv.k_buffers, kv.v_buffers)  # [L0.K, L0.V, ...]
 
-    def describe(self, write: RoomWrite, plan: tuple[Segment, ...], clock: Any) -> Described:
+    def write(self, target: RoomWrite, link: Link, clock: SendClock) -> Written:
+        found = self.describe(target, clock)
+        found.notice.with_write(link, found.copies, found.digests, found.nbytes)
+        return Written(found.nbytes)
+
+    def describe(self, target: RoomWrite, clock: SendClock) -> Described:
         """The write's descriptors, its page digests started (read in place: one launch
         on a GPU, beside the write)."""
-        room, pages, reg = write.room, write.pages, write.reg
-        piece = write.layout.slices[write.writer]
-        src, dst, lengths = direct_descriptors(
-            self.kv_bases,
-            [address for pair in reg.kv_bases for address in pair],
-            pages,
-            reg.pages,
-            KVRows(
-                page_size=self.kv.page_size,
-                head_bytes=reg.head_dim * reg.elem_bytes,
-                src_heads=self.kv.k_buffers[0].shape[1],
-                dst_heads=reg.kv_heads,
-                piece=piece,
-            ),
+        pages, reg, page_size = target.pages, target.reg, self.kv.page_size
+        piece = target.layout.slices[target.writer]
+        rows = KVRows(
+            page_size=page_size,
+            head_bytes=reg.head_dim * reg.elem_bytes,
+            src_heads=self.kv.k_buffers[0].shape[1],
+            dst_heads=reg.kv_heads,
+            piece=piece,
+        )
+        theirs = [address for pair in reg.kv_bases for address in pair]
+        copies = direct_descriptors(self.kv_bases, theirs, pages, reg.pages, rows)
+        plan = plan_segments(
+            len(pages), page_size, target.layout.bytes_per_token(), reg.segment_bytes
         )
         started = time.perf_counter()
         pending = start_page_digests(
@@ -93,10 +78,9 @@ class DirectWriter:
             [(segment.page_start, segment.num_pages) for segment in plan],
             head_start=piece.src_head_start,
             num_heads=piece.num_heads,
-            page_size=self.kv.page_size,
+            page_size=page_size,
         )
         clock.digest += time.perf_counter() - started
-        nbytes = int(lengths.sum())
 
         def digests() -> list[int]:
             waited = time.perf_counter()
@@ -104,8 +88,19 @@ class DirectWriter:
             clock.digest += time.perf_counter() - waited
             return found
 
-        def message() -> bytes:  # made once the copy is done (or before, by other transports)
-            return proto.notify_message(room, proto.DIRECT_SEGMENT, self.rank, digests(), nbytes)
+        notice = notice_for(self.ringers, target, self.rank)
+        return Described(copies, int(copies[2].sum()), digests, notice)
 
-        bell = self.mapped.ringers.ticket(reg, write.writer)
-        return Described(src, dst, lengths, nbytes, digests, message, bell)
+
+class DirectWrite(KvWrite):
+    """The mapped write where decode's pool is mapped here, else by descriptors."""
+
+    def __init__(self, mapped: MappedWriter, described: DescribedWrite) -> None:
+        self.mapped, self.described = mapped, described
+
+    def write(self, target: RoomWrite, link: Link, clock: SendClock) -> Written:
+        started = link.launch(lambda: self.mapped.start(target))
+        if started is None:
+            return self.described.write(target, link, clock)
+        self.mapped.finish(started)
+        return Written(started.nbytes)

@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdctl.serve.faults import RoomFaults
-from pdctl.serve.pd import protocol as proto
-from pdctl.serve.pd.mapped_write import ArmedWrite, MappedWriter, RoomWrite, StartedWrite
-from pdctl.serve.pd.room_state import RoomWait
-from pdctl.staging.layout import StagingLayout
-from pdctl.staging.transport import Peer
+from pdctl.serve.pd.mapped_write import ArmedWrite, MappedWriter, StartedWrite
+from pdctl.serve.pd.targets import Targets
+from pdctl.serve.pd.waits import RoomWaits
+from pdctl.serve.pd.writes import RoomWrite, SendClock
 
 log = logging.getLogger("pdctl.serve")
 # Where an early write's notification goes out: "write", on the engine's thread as soon
@@ -36,19 +34,6 @@ log = logging.getLogger("pdctl.serve")
 # while prefill samples); "token", on the engine's thread once the token is chosen;
 # "worker", from the room's worker thread.
 NOTICES = ("write", "token", "worker")
-# (room, wait seconds, what to wait for) -> the room's state
-Snapshot = Callable[[int, float, RoomWait], dict[str, Any]]
-# decode TP -> (decode rank, its layout, this rank's writer index)
-Targets = Callable[[int], Iterator[tuple[int, StagingLayout, int]]]
-
-
-@dataclass
-class SendClock:
-    """Seconds of one room's send spent gathering and taking digests (the rest of
-    write_ms is the transport's writes)."""
-
-    gather: float = 0.0
-    digest: float = 0.0
 
 
 @dataclass
@@ -69,16 +54,20 @@ class EarlyWrites:
     def __init__(
         self,
         mapped: MappedWriter,
-        snapshot: Snapshot,
+        waits: RoomWaits,
         targets: Targets,
-        peer: Callable[[str], Peer | None],
         draw_faults: Callable[[int], RoomFaults],
         notify_at: str = "write",
     ) -> None:
         if notify_at not in NOTICES:
             raise ValueError(f"notify_at {notify_at!r} is not one of {', '.join(NOTICES)}")
-        self.mapped, self.snapshot, self.targets = mapped, snapshot, targets
-        self.peer, self.draw_faults, self.notify_at = peer, draw_faults, notify_at
+        self.mapped, self.waits, self.targets = mapped, waits, targets
+        self.draw_faults = draw_faults
+        # where landed writes are notified, chosen once: `prepare` waits for them and
+        # notifies ("write"), `take` notifies those landed ("write", "token"), else the
+        # room's worker does ("worker")
+        self.notify_on_prepare = notify_at == "write"
+        self.notify_on_take = notify_at != "worker"
         self._said = False  # logged once: writes enqueued on the engine's thread
         self._prepared: dict[int, RoomJob | None] = {}  # room -> its job (`prepare`)
 
@@ -96,14 +85,14 @@ class EarlyWrites:
         job = self._prepared.get(room)
         if job is None:
             job = self._prepared[room] = self._try(room, pages, fire=True)
-        if job is not None and self.notify_at == "write":
+        if job is not None and self.notify_on_prepare:
             self._notify_landed(room, job, wait=True)
 
     def take(self, room: int, pages: list[int]) -> RoomJob | None:
         """The room's job for its worker (None: decode had not registered), its landed
         writes notified here unless `notify_at` is "worker"."""
         job = self._prepared.pop(room, None) or self._try(room, pages, fire=True)
-        if job is not None and self.notify_at != "worker":
+        if job is not None and self.notify_on_take:
             self._notify_landed(room, job)
         return job
 
@@ -149,25 +138,25 @@ class EarlyWrites:
                 log.exception("room %s: decode rank %s: the notification failed", room, decode_rank)
 
     def _arm(self, room: int, pages: list[int]) -> RoomJob | None:
-        state = self.snapshot(room, 0.0, RoomWait.registered())
-        registrations = state.get("registrations") or {}
-        if state.get("closed") or not registrations:
+        state = self.waits.now(room)
+        registrations = state.registrations
+        if state.closed or not registrations:
             return None  # not yet registered: the worker waits for decode
-        decode_tp = proto.Registration.from_json(next(iter(registrations.values()))).decode_tp
+        decode_tp = next(iter(registrations.values())).decode_tp
         ready = []  # decode ranks registered, direct, their transport connected before
-        for decode_rank, layout, writer in self.targets(decode_tp):
-            data = registrations.get(str(decode_rank))
-            reg = None if data is None else proto.Registration.from_json(data)
-            peer = None if reg is None else self.peer(reg.transport)
+        for decode_rank, layout, writer in self.targets.of(decode_tp):
+            reg = registrations.get(decode_rank)
+            peer = None if reg is None else self.targets.connected(reg.transport)
             if reg is not None and reg.mode == "direct" and peer is not None:
-                ready.append((decode_rank, layout, writer, reg, peer))
+                ready.append(RoomWrite(room, pages, reg, layout, writer, peer))
         # decode registered: the room's faults are drawn now, once (the worker keeps them)
         job = RoomJob(self.draw_faults(room))
         if job.faults != RoomFaults():
             return job  # faults go the worker's way
-        for decode_rank, layout, writer, reg, peer in ready:
+        for write in ready:
+            decode_rank = write.reg.decode_rank
             try:
-                armed = self.mapped.arm(RoomWrite(room, pages, reg, layout, writer, peer))
+                armed = self.mapped.arm(write)
             except Exception:  # the worker writes this rank by descriptors and reports
                 log.exception(
                     "room %s: decode rank %s: the mapped write did not start", room, decode_rank

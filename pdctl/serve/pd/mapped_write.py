@@ -15,7 +15,8 @@ doorbell (same host, `bells`), the launch rings it behind the pages
 (`kernels.bell`) and fire announces it (decode looks closely from then on): decode
 is told without the host. Otherwise the engine's thread waits for the write and
 sends the notification (`finish(inline=True)`) before it chooses the first token
-(or where the sender's `notify_at` says, `sender`). A write's time runs on the
+(or where the sender's `notify_at` says, `early`). How decode is told is the write's
+`notice.Notice`, chosen once when it is armed. A write's time runs on the
 device's clock from an event before the launch (it fires when the forward ends) to
 decode being told: the event behind the device's ring, or one recorded once the host
 told decode (on an idle stream, so it fires at once).
@@ -33,49 +34,34 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from itertools import chain
+from typing import Any, TypeVar
 
 import torch
 
 from pdctl.serve.engine.kv_pool import KVPool
-from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.bells import Ringers
+from pdctl.serve.pd.notice import BellNotice, Notice, notice_for
+from pdctl.serve.pd.writes import Link, RoomWrite
 from pdctl.staging import device as dev
 from pdctl.staging import held
-from pdctl.staging.doorbell import DIGESTS, BellBox, BellRinger, Ticket
+from pdctl.staging.doorbell import BellBox, BellRinger
 from pdctl.staging.kernels import PendingDigests
-from pdctl.staging.kernels.page_write import PeerPages, arm_page_write, start_page_write
-from pdctl.staging.layout import StagingLayout, plan_segments
+from pdctl.staging.kernels.page_write import PeerPages, arm_page_write
+from pdctl.staging.layout import plan_segments
 from pdctl.staging.mapped import MappedPools
-from pdctl.staging.transport import Peer, Transport
+from pdctl.staging.transport import Transport
 
 log = logging.getLogger("pdctl.serve")
 T = TypeVar("T")
 
 
-class WriteObserver(Protocol):
-    """Hooks on a writer's path: `arming` and `firing` run the arm and the launch (a
-    profiler or a clock wraps them), `finished` hears each write once decode was told
-    (how: "doorbell (device)", "doorbell (host)" or "notification"; the device's
-    seconds of the launch, the host's of the finish, the write's time)."""
-
-    def arming(self, arm: Callable[[], T]) -> T: ...
-
-    def firing(self, fire: Callable[[], T]) -> T: ...
-
-    def finished(
-        self,
-        started: StartedWrite,
-        told: str,
-        inline: bool,
-        device_s: float,
-        finish_s: float,
-        seconds: float,
-    ) -> None: ...
-
-
-class NoObserver:
-    """The default observer: runs what it is given, hears nothing."""
+class WriteObserver:
+    """Hooks on a writer's path, each a no-op here (`NOOP`): `arming` and `firing` run
+    the arm and the launch (a profiler or a clock wraps them), `finished` hears each
+    write once decode was told (how: "doorbell (device)", "doorbell (host)" or
+    "notification"; the device's seconds of the launch, the host's of the finish, the
+    write's time). An observer overrides what it needs."""
 
     def arming(self, arm: Callable[[], T]) -> T:
         return arm()
@@ -95,7 +81,7 @@ class NoObserver:
         pass
 
 
-NOOP = NoObserver()
+NOOP = WriteObserver()
 
 
 @dataclass
@@ -103,42 +89,18 @@ class StartedWrite:
     """One decode rank's mapped write, enqueued (`ArmedWrite.fire`)."""
 
     room: int
-    peer: Peer
+    link: Link  # decode's endpoint
     pending: PendingDigests
     began: Any  # device event before the launch (timing)
     ended: Any  # device event after it
     nbytes: int
-    bell: RoomBell | None = None  # where decode hears of it (None: a notification)
+    notice: Notice  # how decode hears of it, where the launch did not ring
     done_s: float | None = None  # the write's seconds, once `finish` sent its notification
 
     @property
     def rang(self) -> bool:
         """The launch itself rang decode's doorbell: nothing is left to tell it."""
-        return self.bell is not None and self.pending.rung
-
-
-@dataclass(frozen=True)
-class RoomWrite:
-    """One prefill rank's direct write of a room to one decode rank: the room's pages,
-    decode's registration, the layout of its slices, this rank's writer index in it,
-    and decode's endpoint (what every direct path is given)."""
-
-    room: int
-    pages: list[int]
-    reg: proto.Registration
-    layout: StagingLayout
-    writer: int
-    peer: Peer
-
-
-@dataclass(frozen=True)
-class RoomBell:
-    """A write's doorbell: decode's box opened here, the ticket, and the slot's address
-    for the device (None: the host rings once the write landed)."""
-
-    ringer: BellRinger
-    ticket: Ticket
-    device_slot: int | None
+        return self.pending.rung
 
 
 @dataclass
@@ -147,10 +109,10 @@ class ArmedWrite:
     on the calling thread's current stream, right behind the forward it follows."""
 
     room: int
-    peer: Peer
+    link: Link
     launch: Callable[[], PendingDigests]
     nbytes: int
-    bell: RoomBell | None
+    notice: Notice
     device: torch.device
     observer: WriteObserver = NOOP
 
@@ -158,17 +120,43 @@ class ArmedWrite:
         return self.observer.firing(self._fire)
 
     def _fire(self) -> StartedWrite:
+        began, ended = _timing_events(self.device, 2)
         stream = dev.current_device_stream(self.device)
-        began, ended = _timing_event(self.device), _timing_event(self.device)
         began.record(stream)
         pending = self.launch()
         if not pending.rung:
             pending.stage_to_host()  # the digests reach pinned host memory behind the write
         ended.record(stream)
-        started = StartedWrite(self.room, self.peer, pending, began, ended, self.nbytes, self.bell)
-        if started.rang and self.bell is not None:
-            self.bell.ringer.announce(self.bell.ticket)  # decode looks closely from now on
-        return started
+        if pending.rung:
+            self.notice.rung()
+        return StartedWrite(self.room, self.link, pending, began, ended, self.nbytes, self.notice)
+
+
+@dataclass(frozen=True)
+class PageWrite:
+    """What one launch writes (`kernels.page_write`): this pool's `pages` into the
+    target's, heads [head_start, +num_heads) of every layer, each segment's
+    (page_start, num_pages) digested; `bell`: what the launch rings at its end."""
+
+    pages: list[int]
+    target: PeerPages
+    segments: list[tuple[int, int]]
+    head_start: int
+    num_heads: int
+    bell: tuple[int, int] | None
+
+    def arm(self, kv: KVPool) -> Callable[[], PendingDigests]:
+        return arm_page_write(
+            kv.k_buffers,
+            kv.v_buffers,
+            self.pages,
+            self.target,
+            self.segments,
+            head_start=self.head_start,
+            num_heads=self.num_heads,
+            page_size=kv.page_size,
+            bell=self.bell,
+        )
 
 
 class MappedWriter:
@@ -192,31 +180,19 @@ class MappedWriter:
         pages of this pool's scratch page written onto themselves, digested, and a
         doorbell box of this process rung from the device. Equal TP's slice (every
         head) is the one warmed; a failure is logged, and the first write compiles."""
-        first = self.kv.k_buffers[0]
+        kv, first = self.kv, self.kv.k_buffers[0]
         if first.device.type != "cuda":
             return
         try:
-            with BellBox(1, 2 * len(self.kv.k_buffers)) as box, BellRinger(box.info) as ringer:
+            with BellBox(1, 2 * len(kv.k_buffers)) as box, BellRinger(box.info) as ringer:
                 ticket = box.ticket()
                 assert ticket is not None
-                address = ringer.device_slot(ticket.slot, first.device)
-                scratch = self.kv.scratch_row // self.kv.page_size
-                own = [
-                    b
-                    for pair in zip(self.kv.k_buffers, self.kv.v_buffers, strict=True)
-                    for b in pair
-                ]
-                pending = start_page_write(
-                    self.kv.k_buffers,
-                    self.kv.v_buffers,
-                    [scratch],
-                    PeerPages(own, [scratch], 0),
-                    [(0, 1)],
-                    head_start=0,
-                    num_heads=first.shape[1],
-                    page_size=self.kv.page_size,
-                    bell=None if address is None else (address, ticket.seq),
-                )
+                scratch = [kv.scratch_row // kv.page_size]
+                own = [b for pair in zip(kv.k_buffers, kv.v_buffers, strict=True) for b in pair]
+                bell = BellNotice(ringer, ticket).device_bell(first.device)
+                heads = first.shape[1]
+                write = PageWrite(scratch, PeerPages(own, scratch, 0), [(0, 1)], 0, heads, bell)
+                pending = write.arm(kv)()
                 pending.result()
                 if pending.rung and box.wait(ticket, 5.0) is None:
                     log.warning("the doorbell warm-up rang nothing: device rings may not arrive")
@@ -236,7 +212,7 @@ class MappedWriter:
         return self.observer.arming(lambda: self._arm(write))
 
     def _arm(self, write: RoomWrite) -> ArmedWrite | None:
-        reg, layout, pages = write.reg, write.layout, write.pages
+        reg, layout, pages, page_size = write.reg, write.layout, write.pages, self.kv.page_size
         first = self.kv.k_buffers[0]
         if reg.head_dim != first.shape[2] or reg.elem_bytes != first.element_size():
             return None
@@ -244,35 +220,17 @@ class MappedWriter:
         buffers = self.pools.buffers(write.peer, bases, reg.kv_heads, reg.head_dim, first)
         if buffers is None:
             return None
-        plan = plan_segments(
-            len(pages), self.kv.page_size, layout.bytes_per_token(), reg.segment_bytes
-        )
+        plan = plan_segments(len(pages), page_size, layout.bytes_per_token(), reg.segment_bytes)
+        nbytes = layout.block_bytes(write.writer, len(pages) * page_size)
+        notice = notice_for(self.ringers, write, self.rank)
+        bell = notice.device_bell(first.device)
         piece = layout.slices[write.writer]
-        bell = self._bell(reg, write.writer, first.device)
-        device_bell = None
-        if bell is not None and bell.device_slot is not None:
-            device_bell = (bell.device_slot, bell.ticket.seq)
-        launch = arm_page_write(
-            self.kv.k_buffers,
-            self.kv.v_buffers,
-            pages,
-            PeerPages(buffers, reg.pages, piece.dst_head_start),
-            [(segment.page_start, segment.num_pages) for segment in plan],
-            head_start=piece.src_head_start,
-            num_heads=piece.num_heads,
-            page_size=self.kv.page_size,
-            bell=device_bell,
-        )
-        nbytes = layout.block_bytes(write.writer, len(pages) * self.kv.page_size)
-        return ArmedWrite(write.room, write.peer, launch, nbytes, bell, first.device, self.observer)
-
-    def _bell(self, reg: proto.Registration, writer: int, device: torch.device) -> RoomBell | None:
-        """This writer's doorbell where decode offered one and its box opens here."""
-        found = self.ringers.ticket(reg, writer)
-        if found is None:
-            return None
-        ringer, ticket = found
-        return RoomBell(ringer, ticket, ringer.device_slot(ticket.slot, device))
+        segments = [(segment.page_start, segment.num_pages) for segment in plan]
+        target = PeerPages(buffers, reg.pages, piece.dst_head_start)
+        page_write = PageWrite(pages, target, segments, piece.src_head_start, piece.num_heads, bell)
+        launch = page_write.arm(self.kv)
+        link = Link(self.transport, write.peer)
+        return ArmedWrite(write.room, link, launch, nbytes, notice, first.device, self.observer)
 
     def finish(self, started: StartedWrite, *, inline: bool = False) -> float:
         """Wait for the write; tell decode unless the device rang its doorbell (the host
@@ -287,40 +245,29 @@ class MappedWriter:
         once the first token is chosen; else a worker's own), so the event fires at
         once and every host step in between counts, the worker's wake-up included.
         inline only names the caller to the observer."""
+        device = self.kv.k_buffers[0].device
+        rang = started.rang
+        told = started.ended if rang else _timing_events(device, 1)[0]
         started.ended.synchronize()  # the bytes are in decode's pool
         began_s = time.perf_counter()
-        bell = started.bell
-        device = self.kv.k_buffers[0].device
-        if started.rang:
-            told = started.ended  # the device rang behind the write
-        else:
-            digests = [d for part in started.pending.result() for d in part]
-            if bell is not None:
-                bell.ringer.ring(bell.ticket, DIGESTS, digests)
-            else:
-                notice = proto.notify_message(
-                    started.room, proto.DIRECT_SEGMENT, self.rank, digests, started.nbytes
-                )
-                self.transport.notify(started.peer, notice)
-            told = _timing_event(device)
+        if not rang:  # the device did not ring: decode is told from here
+            digests = list(chain.from_iterable(started.pending.result()))
+            started.notice.tell(started.link, digests, started.nbytes)
             told.record(dev.current_device_stream(device))
             told.synchronize()
         finish_s = time.perf_counter() - began_s
         seconds = started.began.elapsed_time(told) / 1e3
         device_s = started.began.elapsed_time(started.ended) / 1e3
-        how = (
-            "doorbell (device)"
-            if started.rang
-            else ("doorbell (host)" if bell is not None else "notification")
-        )
+        how = "doorbell (device)" if rang else started.notice.how
         self.observer.finished(started, how, inline, device_s, finish_s, seconds)
         started.done_s = seconds
         return seconds
 
 
-def _timing_event(device: torch.device) -> Any:
-    """A timing event; on CUDA one whose record keeps the GIL (`staging.held`)."""
-    event = held.held_event(device)
-    if event is not None:
-        return event
-    return dev.create_device_event(device, timing=True)
+def _timing_events(device: torch.device, count: int) -> list[Any]:
+    """Timing events; on CUDA ones whose record keeps the GIL (`staging.held`)."""
+    events = []
+    for _ in range(count):
+        event = held.held_event(device)
+        events.append(event if event is not None else dev.create_device_event(device, timing=True))
+    return events

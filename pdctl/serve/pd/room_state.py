@@ -8,10 +8,12 @@ the latest snapshot of each room (`RoomMirror`) and wait on it exactly as rank 0
 senders wait on the registry itself (`Rooms.wait_for`): no HTTP polling of their
 own rank 0, and a change reaches them within one broadcast.
 
-A snapshot is the registry's own JSON (`Rooms.snapshot`): the room, whether it
-started, how it closed, and every decode rank's registration with its segments.
-Changes to one room that pile up while a broadcast is in flight go out as one
-snapshot (the latest), so a burst of segment offers costs one message.
+A snapshot (`RoomSnapshot`) is typed once where it arrives: the room, whether it
+started, how it closed, prefill's result, and every decode rank's registration with
+its segments; on the wire it is the registry's own JSON (`to_json`, byte for byte
+what `Rooms.snapshot` gives). Changes to one room that pile up while a broadcast is
+in flight go out as one snapshot (the latest), so a burst of segment offers costs
+one message.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pdctl.serve.pd import protocol as proto
+
 log = logging.getLogger("pdctl.serve")
 MAX_ROOMS = 4096  # rooms a mirror remembers, the least recently changed dropped first
 
@@ -36,7 +40,8 @@ class Channel(Protocol):
 
 
 class SnapshotSource(Protocol):
-    def snapshot(self, room: int) -> dict[str, Any]: ...
+    # the registry's JSON (`Rooms.snapshot`) is typed here, as it goes out
+    def snapshot(self, room: int) -> RoomSnapshot | dict[str, Any]: ...
 
 
 class RoomPublisher:
@@ -65,7 +70,8 @@ class RoomPublisher:
                     break
                 room, _ = self._pending.popitem(last=False)
             try:
-                self.channel.publish(json.dumps(self.rooms.snapshot(room)).encode())
+                snapshot = RoomSnapshot.of(self.rooms.snapshot(room))
+                self.channel.publish(json.dumps(snapshot.to_json()).encode())
             except RuntimeError as exc:  # a rank died: the launcher sees it and stops us
                 log.warning("room state: cannot reach the other prefill ranks: %s", exc)
                 return
@@ -87,7 +93,7 @@ class RoomMirror:
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
-        self._rooms: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._rooms: OrderedDict[int, RoomSnapshot] = OrderedDict()
         self._changed = threading.Condition()
         self.ended = False
         self._thread = threading.Thread(target=self._run, name="pdctl-room-mirror", daemon=True)
@@ -96,15 +102,15 @@ class RoomMirror:
     def _run(self) -> None:
         try:
             while (message := self.channel.listen()) is not None:
-                self.update(json.loads(message))
+                self.update(RoomSnapshot.from_json(json.loads(message)))  # rank 0's own JSON
         except RuntimeError as exc:  # rank 0 died: waits end at their timeout
             log.warning("room state: lost prefill rank 0: %s", exc)
         with self._changed:
             self.ended = True
             self._changed.notify_all()
 
-    def update(self, snapshot: dict[str, Any]) -> None:
-        room = int(snapshot["room"])
+    def update(self, snapshot: RoomSnapshot) -> None:
+        room = snapshot.room
         with self._changed:
             self._rooms[room] = snapshot
             self._rooms.move_to_end(room)
@@ -112,22 +118,22 @@ class RoomMirror:
                 self._rooms.popitem(last=False)
             self._changed.notify_all()
 
-    def snapshot(self, room: int, wait: float, condition: RoomWait) -> dict[str, Any]:
+    def snapshot(self, room: int, wait: float, condition: RoomWait) -> RoomSnapshot:
         """The sender's view of a room (`sender.Snapshot`): `wait_for` in its argument order."""
         return self.wait_for(room, condition, wait)
 
-    def wait_for(self, room: int, condition: RoomWait, timeout: float) -> dict[str, Any]:
+    def wait_for(self, room: int, condition: RoomWait, timeout: float) -> RoomSnapshot:
         """As `Rooms.wait_for`: the snapshot once `condition` holds, the room closed, or
         `timeout` passed (then the latest snapshot, or an empty one)."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while True:
                 snapshot = self._rooms.get(room)
-                if snapshot is not None and (snapshot.get("closed") or _holds(snapshot, condition)):
+                if snapshot is not None and snapshot.ends(condition):
                     return snapshot
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self.ended:
-                    return snapshot or _empty(room)
+                    return snapshot or RoomSnapshot.empty(room)
                 self._changed.wait(min(remaining, 0.5))
 
 
@@ -172,14 +178,61 @@ class RoomWait:
         return RoomWait(ranks, decode_rank, segment if decode_rank is not None else None)
 
 
-def _holds(snapshot: dict[str, Any], condition: RoomWait) -> bool:
-    registrations: dict[str, Any] = snapshot.get("registrations") or {}
-    offered = {
-        int(rank): [int(s["index"]) for s in registration.get("segments", [])]
-        for rank, registration in registrations.items()
-    }
-    return condition.holds(offered)
+@dataclass(frozen=True)
+class RoomSnapshot:
+    """One room as prefill's registry has it, typed once where it arrives."""
+
+    room: int
+    started: bool  # prefill's request for it arrived
+    closed: str | None  # how it closed (None: open)
+    result: dict[str, object] | None  # prefill's first token, for decode (carried here)
+    registrations: Mapping[int, proto.Registration]  # decode rank -> its, as they came
+
+    @staticmethod
+    def empty(room: int) -> RoomSnapshot:
+        return RoomSnapshot(room, False, None, None, {})
+
+    @staticmethod
+    def of(value: RoomSnapshot | dict[str, Any]) -> RoomSnapshot:
+        """`value` typed: the registry's JSON parsed, a snapshot as it is."""
+        return value if isinstance(value, RoomSnapshot) else RoomSnapshot.from_json(value)
+
+    @staticmethod
+    def from_json(data: object) -> RoomSnapshot:
+        """A snapshot from the registry's JSON, every field checked (ValueError)."""
+        if not isinstance(data, dict) or set(data) != SNAPSHOT_FIELDS:
+            raise ValueError(f"a room snapshot has exactly the fields {sorted(SNAPSHOT_FIELDS)}")
+        started, closed, result = data["started"], data["closed"], data["result"]
+        registrations = data["registrations"]
+        if not isinstance(started, bool) or not isinstance(closed, (str, type(None))):
+            raise ValueError("a room snapshot's started is true or false, closed text or null")
+        if not isinstance(result, (dict, type(None))) or not isinstance(registrations, dict):
+            raise ValueError("a room snapshot's result and registrations are JSON objects")
+        return RoomSnapshot(
+            proto.json_int(data, "room"),
+            started,
+            closed,
+            result,
+            {int(rank): proto.Registration.from_json(r) for rank, r in registrations.items()},
+        )
+
+    def to_json(self) -> dict[str, object]:
+        """The registry's JSON of the room (`Rooms.snapshot`), byte for byte once dumped."""
+        return {
+            "room": self.room,
+            "started": self.started,
+            "closed": self.closed,
+            "result": self.result,
+            "registrations": {str(rank): r.to_json() for rank, r in self.registrations.items()},
+        }
+
+    def offered(self) -> dict[int, list[int]]:
+        """Decode rank -> the segment indices it offered ring regions for."""
+        return {rank: [s.index for s in r.segments] for rank, r in self.registrations.items()}
+
+    def ends(self, condition: RoomWait) -> bool:
+        """A wait on `condition` ends here: it holds, or the room closed."""
+        return bool(self.closed) or condition.holds(self.offered())
 
 
-def _empty(room: int) -> dict[str, Any]:
-    return {"room": room, "started": False, "closed": None, "result": None, "registrations": {}}
+SNAPSHOT_FIELDS = {"room", "started", "closed", "result", "registrations"}
