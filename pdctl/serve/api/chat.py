@@ -26,12 +26,18 @@ from pdctl.serve.api.errors import BadRequest
 from pdctl.serve.api.openai_common import (
     final_text,
     finish_reason,
-    sampling_params,
     stream_choice,
     usage,
 )
 from pdctl.serve.api.openai_schemas import ChatBody
-from pdctl.serve.api.submission import Outcome, ServerContext, Submission, pd_fields, validate_ids
+from pdctl.serve.api.submission import (
+    Outcome,
+    ServerContext,
+    Submission,
+    pd_fields,
+    sampling_params,
+    validate_ids,
+)
 
 
 def template_messages(body: ChatBody) -> list[dict[str, JSONValue]]:

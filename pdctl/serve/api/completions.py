@@ -17,12 +17,18 @@ from pdctl.serve.api.openai_common import (
     final_text,
     finish_reason,
     refuse_pd_batch,
-    sampling_params,
     stream_choice,
     usage,
 )
 from pdctl.serve.api.openai_schemas import CompletionBody
-from pdctl.serve.api.submission import Outcome, ServerContext, Submission, pd_fields, validate_ids
+from pdctl.serve.api.submission import (
+    Outcome,
+    ServerContext,
+    Submission,
+    pd_fields,
+    sampling_params,
+    validate_ids,
+)
 
 
 def completion_ids(body: CompletionBody, ctx: ServerContext) -> tuple[list[list[int]], bool]:

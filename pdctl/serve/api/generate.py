@@ -19,31 +19,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdctl.serve.api.answers import GenerateResult, MetaInfo
 from pdctl.serve.api.errors import BadRequest, error_body
-from pdctl.serve.api.schemas import GenerateBody, SamplingBody
+from pdctl.serve.api.schemas import GenerateBody
 from pdctl.serve.api.submission import (
     Outcome,
     ServerContext,
     Submission,
     pd_fields,
+    sampling_params,
     sse,
     validate_ids,
 )
 from pdctl.serve.api.text import visible_text
-from pdctl.serve.engine.sampling import SamplingParams
 from pdctl.serve.multimodal import PromptError, images_of
-
-
-def to_params(body: SamplingBody) -> SamplingParams:
-    return SamplingParams(
-        temperature=body.temperature,
-        max_new_tokens=body.max_new_tokens,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        ignore_eos=body.ignore_eos,
-        stop=body.stops(),
-        stop_token_ids=list(body.stop_token_ids or []),
-        seed=body.seed,
-    )
 
 
 def meta_info(outcome: Outcome, with_logprobs: bool) -> MetaInfo:
@@ -129,7 +116,7 @@ async def generate(ctx: ServerContext, body: GenerateBody, http: HttpRequest) ->
     multimodal = await multimodal_prompt(body, ctx)
     embeds = multimodal[1] if multimodal else []
     ids, batch = ([multimodal[0]], False) if multimodal else prompts_of(body, ctx)
-    params = to_params(body.sampling_params)
+    params = sampling_params(body.sampling_params, body.sampling_params.max_new_tokens)
     logprobs = body.top_logprobs_num if body.return_logprob else None
     pd = pd_fields(body)
     if batch and pd:
@@ -138,17 +125,10 @@ async def generate(ctx: ServerContext, body: GenerateBody, http: HttpRequest) ->
         )
     if body.stream and batch:
         raise BadRequest("streaming takes one prompt, not a batch", "stream")
+    rids = [body.rid if body.rid and not batch else uuid.uuid4().hex for _ in ids]
     submissions = [
-        Submission(
-            ctx,
-            prompt,
-            params,
-            body.rid if body.rid and not batch else uuid.uuid4().hex,
-            logprobs,
-            pd,
-            embeds,
-        )
-        for prompt in ids
+        Submission(ctx, prompt, params, rid, logprobs, pd, embeds)
+        for prompt, rid in zip(ids, rids, strict=True)
     ]
     if body.stream:
         return StreamingResponse(

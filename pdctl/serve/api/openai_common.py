@@ -1,6 +1,6 @@
-"""What /v1/completions and /v1/chat/completions share: sampling parameters from a
-body, finish reasons, usage, the PD check, and the chunk stream of one choice (text
-deltas with stop strings held back and trimmed, a usage chunk when asked for)."""
+"""What /v1/completions and /v1/chat/completions share: finish reasons, usage, the PD
+check, and the chunk stream of one choice (text deltas with stop strings held back and
+trimmed, a usage chunk when asked for)."""
 
 from __future__ import annotations
 
@@ -14,20 +14,6 @@ from pdctl.serve.api.errors import BadRequest, error_body
 from pdctl.serve.api.openai_schemas import OpenAIBody
 from pdctl.serve.api.submission import Outcome, ServerContext, Submission, sse
 from pdctl.serve.api.text import TextStream, visible_text
-from pdctl.serve.engine.sampling import SamplingParams
-
-
-def sampling_params(body: OpenAIBody, max_tokens: int) -> SamplingParams:
-    return SamplingParams(
-        temperature=body.temperature,
-        max_new_tokens=max_tokens,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        ignore_eos=body.ignore_eos,
-        stop=body.stops(),
-        stop_token_ids=list(body.stop_token_ids or []),
-        seed=body.seed,
-    )
 
 
 def finish_reason(outcome: Outcome) -> str | None:

@@ -13,26 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from pdctl.serve.api.fields import HOST, check_neutral
+from pdctl.serve.api.fields import HOST, NEUTRAL, check_neutral
 
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
-_NEUTRAL = (
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "n",
-    "best_of",
-    "min_tokens",
-    "logit_bias",
-    "suffix",
-    "echo",
-    "response_format",
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-)
 
 
 class StreamOptions(BaseModel):
@@ -89,7 +73,7 @@ class OpenAIBody(BaseModel):
             raise ValueError(f"at most {MAX_STOPS} stop strings of 1 to 200 characters each")
         return value
 
-    @field_validator(*_NEUTRAL, check_fields=False)
+    @field_validator(*NEUTRAL, check_fields=False)  # those of the subclasses' fields too
     @classmethod
     def _neutral(cls, value: object, info: ValidationInfo) -> object:
         return check_neutral(str(info.field_name), value)

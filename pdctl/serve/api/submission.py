@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request as HttpRequest
 
@@ -51,6 +51,32 @@ class Outcome:
     cached_tokens: int = 0
     kv_transfer: KVTransfer | None = None
     started: float = field(default_factory=time.monotonic)
+
+
+class Sampled(Protocol):
+    """A body's sampling fields: /generate's `sampling_params`, an OpenAI body."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    ignore_eos: bool
+    stop_token_ids: list[int] | None
+    seed: int | None
+
+    def stops(self) -> list[str]: ...
+
+
+def sampling_params(body: Sampled, max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=body.temperature,
+        max_new_tokens=max_new_tokens,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        ignore_eos=body.ignore_eos,
+        stop=body.stops(),
+        stop_token_ids=list(body.stop_token_ids or []),
+        seed=body.seed,
+    )
 
 
 def validate_ids(ids: list[int], vocab: int, where: str) -> None:

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 64, 4, 3
+# Triton's meta-parameters of every product but PRECISION, which the operands' dtype picks
+META = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit
@@ -79,22 +80,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     n = b3.shape[2]
     c = torch.empty((batch, m, n), dtype=a.dtype, device=a.device)
     if m and n:
-        grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N), batch)
-        _matmul_kernel[grid](
-            a3,
-            b3,
-            c,
-            m,
-            n,
-            k,
-            *a3.stride(),
-            *b3.stride(),
-            *c.stride(),
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K,
-            PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-            num_warps=NUM_WARPS,
-            num_stages=NUM_STAGES,
-        )
+        tiles = triton.cdiv(m, META["BLOCK_M"]) * triton.cdiv(n, META["BLOCK_N"])
+        strides = (*a3.stride(), *b3.stride(), *c.stride())  # batch, row, column each
+        precision = "ieee" if a.dtype == torch.float32 else "tf32"
+        _matmul_kernel[(tiles, batch)](a3, b3, c, m, n, k, *strides, **META, PRECISION=precision)
     return c if batched else c[0]

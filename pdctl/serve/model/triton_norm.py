@@ -65,15 +65,9 @@ def rms_norm(
         rows, weight = rows.contiguous(), weight.contiguous()
     out = torch.empty(rows.shape, dtype=out_dtype or x.dtype, device=x.device)  # [rows, H]
     if rows.shape[0] and hidden:
+        block = min(MAX_BLOCK, triton.next_power_of_2(hidden))
+        strides = (rows.stride(0), out.stride(0))
         _rms_norm_kernel[(rows.shape[0],)](
-            rows,
-            weight,
-            out,
-            hidden,
-            rows.stride(0),
-            out.stride(0),
-            eps,
-            BLOCK=min(MAX_BLOCK, triton.next_power_of_2(hidden)),
-            num_warps=NUM_WARPS,
+            rows, weight, out, hidden, *strides, eps, BLOCK=block, num_warps=NUM_WARPS
         )
     return out.view(x.shape)

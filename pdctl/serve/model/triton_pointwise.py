@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 BLOCK, NUM_WARPS = 1024, 4
+META = {"BLOCK": BLOCK, "num_warps": NUM_WARPS}  # Triton's meta-parameters of both kernels
 
 
 @triton.jit
@@ -72,10 +73,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows, width = gate.shape
     out = torch.empty((rows, width), dtype=gate.dtype, device=gate.device)  # [M, I]
     if rows and width:
-        rows_at = [t.stride(0) for t in (gate, up, out)]
-        _silu_mul_kernel[(rows, triton.cdiv(width, BLOCK))](
-            gate, up, out, width, *rows_at, BLOCK=BLOCK, num_warps=NUM_WARPS
-        )
+        strides = [t.stride(0) for t in (gate, up, out)]  # a row of each
+        _silu_mul_kernel[(rows, triton.cdiv(width, BLOCK))](gate, up, out, width, *strides, **META)
     return out
 
 
@@ -94,18 +93,10 @@ def add_chunk_sums(partials: torch.Tensor, residual: torch.Tensor | None) -> tor
         residual = residual.contiguous()
     out = torch.empty((rows, width), dtype=partials.dtype, device=partials.device)  # [M, N]
     if rows and width:
+        with_residual = residual is not None
+        added = out if residual is None else residual  # read only with a residual
+        strides = (*partials.stride()[:2], added.stride(0) if with_residual else 0, out.stride(0))
         _add_chunk_sums_kernel[(rows, triton.cdiv(width, BLOCK))](
-            partials,
-            out if residual is None else residual,
-            out,
-            chunks,
-            width,
-            partials.stride(0),
-            partials.stride(1),
-            0 if residual is None else residual.stride(0),
-            out.stride(0),
-            HAS_RESIDUAL=residual is not None,
-            BLOCK=BLOCK,
-            num_warps=NUM_WARPS,
+            partials, added, out, chunks, width, *strides, HAS_RESIDUAL=with_residual, **META
         )
     return out
