@@ -145,15 +145,8 @@ def load_model(
         weights = build_rank_weights(config, source, args.tp, args.tp_rank, dtype, device)
     pool = args.kv_pool_tokens or 16384
     pool -= pool % args.page_size
-    kv = KVPool(
-        config.shape.num_layers,
-        pool,
-        weights.kv_heads,
-        config.shape.head_dim,
-        args.page_size,
-        dtype,
-        device,
-    )
+    layers, head_dim = config.shape.num_layers, config.shape.head_dim
+    kv = KVPool(layers, pool, weights.kv_heads, head_dim, args.page_size, dtype, device)
     runner = ModelRunner(weights, kv, device, gather, compute_logits=args.tp_rank == 0)
     graphs = DecodeGraphs.for_runner(
         runner,
@@ -228,15 +221,11 @@ def start_rank(
         # ranks sharing a device cannot use its collective library (NCCL refuses two
         # ranks on one GPU): gloo, with the partials gathered through host memory
         backend = "gloo" if args.shares_devices else DIST_BACKENDS.get(device.type, "gloo")
+        address = ("127.0.0.1", args.dist_port)  # the group's rendezvous
+        via_host = args.shares_devices and device.type != "cpu"
+        futex = args.settings.tp_gather == "futex"
         group = tensor_parallel.TPGroup(
-            args.tp_rank,
-            args.tp,
-            "127.0.0.1",
-            args.dist_port,
-            backend,
-            600,
-            via_host=args.shares_devices and device.type != "cpu",
-            shared_memory=args.settings.tp_gather == "futex",
+            args.tp_rank, args.tp, *address, backend, 600, via_host=via_host, shared_memory=futex
         )
     config, tokenizer = load_config(args)
     model = None
