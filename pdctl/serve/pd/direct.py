@@ -27,7 +27,7 @@ from pdctl.serve.pd.mapped_write import MappedWriter
 from pdctl.serve.pd.notice import Notice, notice_for
 from pdctl.serve.pd.writes import KvWrite, Link, RoomWrite, SendClock, Written
 from pdctl.staging.descriptors import KVRows, direct_descriptors, kv_bases
-from pdctl.staging.kernels import start_page_digests
+from pdctl.staging.kernels import start_slice_digests
 from pdctl.staging.layout import plan_segments
 
 
@@ -70,16 +70,10 @@ class DescribedWrite(KvWrite):
         plan = plan_segments(
             len(pages), page_size, target.layout.bytes_per_token(), reg.segment_bytes
         )
+        kv, source = self.kv, piece.source(page_size)
         started = time.perf_counter()
-        pending = start_page_digests(
-            self.kv.k_buffers,
-            self.kv.v_buffers,
-            pages,
-            [(segment.page_start, segment.num_pages) for segment in plan],
-            head_start=piece.src_head_start,
-            num_heads=piece.num_heads,
-            page_size=page_size,
-        )
+        segments = [(segment.page_start, segment.num_pages) for segment in plan]
+        pending = start_slice_digests(kv.k_buffers, kv.v_buffers, pages, segments, source)
         clock.digest += time.perf_counter() - started
 
         def digests() -> list[int]:

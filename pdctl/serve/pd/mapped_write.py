@@ -47,8 +47,8 @@ from pdctl.staging import device as dev
 from pdctl.staging import held
 from pdctl.staging.doorbell import BellBox, BellRinger
 from pdctl.staging.kernels import PendingDigests
-from pdctl.staging.kernels.page_write import PeerPages, arm_page_write
-from pdctl.staging.layout import plan_segments
+from pdctl.staging.kernels.page_write import PeerPages, arm_slice_write
+from pdctl.staging.layout import KVSlice, plan_segments
 from pdctl.staging.mapped import MappedPools
 from pdctl.staging.transport import Transport
 
@@ -134,28 +134,20 @@ class ArmedWrite:
 
 @dataclass(frozen=True)
 class PageWrite:
-    """What one launch writes (`kernels.page_write`): this pool's `pages` into the
-    target's, heads [head_start, +num_heads) of every layer, each segment's
-    (page_start, num_pages) digested; `bell`: what the launch rings at its end."""
+    """What one launch writes (`kernels.page_write`): the slice of every layer of this
+    pool's `pages` into the target's, each segment's (page_start, num_pages) digested;
+    `bell`: what the launch rings at its end."""
 
     pages: list[int]
     target: PeerPages
     segments: list[tuple[int, int]]
-    head_start: int
-    num_heads: int
+    kv_slice: KVSlice
     bell: tuple[int, int] | None
 
     def arm(self, kv: KVPool) -> Callable[[], PendingDigests]:
-        return arm_page_write(
-            kv.k_buffers,
-            kv.v_buffers,
-            self.pages,
-            self.target,
-            self.segments,
-            head_start=self.head_start,
-            num_heads=self.num_heads,
-            page_size=kv.page_size,
-            bell=self.bell,
+        k, v = kv.k_buffers, kv.v_buffers
+        return arm_slice_write(
+            k, v, self.pages, self.target, self.segments, self.kv_slice, bell=self.bell
         )
 
 
@@ -190,8 +182,8 @@ class MappedWriter:
                 scratch = [kv.scratch_row // kv.page_size]
                 own = [b for pair in zip(kv.k_buffers, kv.v_buffers, strict=True) for b in pair]
                 bell = BellNotice(ringer, ticket).device_bell(first.device)
-                heads = first.shape[1]
-                write = PageWrite(scratch, PeerPages(own, scratch, 0), [(0, 1)], 0, heads, bell)
+                every_head = KVSlice(0, first.shape[1], kv.page_size)
+                write = PageWrite(scratch, PeerPages(own, scratch, 0), [(0, 1)], every_head, bell)
                 pending = write.arm(kv)()
                 pending.result()
                 if pending.rung and box.wait(ticket, 5.0) is None:
@@ -227,8 +219,7 @@ class MappedWriter:
         piece = layout.slices[write.writer]
         segments = [(segment.page_start, segment.num_pages) for segment in plan]
         target = PeerPages(buffers, reg.pages, piece.dst_head_start)
-        page_write = PageWrite(pages, target, segments, piece.src_head_start, piece.num_heads, bell)
-        launch = page_write.arm(self.kv)
+        launch = PageWrite(pages, target, segments, piece.source(page_size), bell).arm(self.kv)
         link = Link(self.transport, write.peer)
         return ArmedWrite(write.room, link, launch, nbytes, notice, first.device, self.observer)
 

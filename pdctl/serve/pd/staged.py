@@ -28,7 +28,7 @@ from pdctl.staging import device as dev
 from pdctl.staging.buffer import StagingBuffer, init_staging_buffers
 from pdctl.staging.descriptors import block_address
 from pdctl.staging.digest import block_digests
-from pdctl.staging.kernels import gather_all_layers_to_staging
+from pdctl.staging.kernels import gather_slice
 from pdctl.staging.layout import HeadSlice, Segment, plan_segments
 from pdctl.staging.transport import Transport
 
@@ -106,14 +106,9 @@ class StagedWrite(KvWrite):
         self, buffer: StagingBuffer, pages: list[int], piece: HeadSlice, clock: SendClock
     ) -> tuple[int, list[int]]:
         started = time.perf_counter()
-        nbytes = gather_all_layers_to_staging(
-            self.kv.k_buffers,
-            self.kv.v_buffers,
-            pages,
-            buffer.tensor,
-            src_head_start=piece.src_head_start,
-            num_heads=piece.num_heads,
-            page_size=self.kv.page_size,
+        kv, staging = self.kv, buffer.tensor
+        nbytes = gather_slice(
+            kv.k_buffers, kv.v_buffers, pages, staging, piece.source(kv.page_size)
         )
         dev.synchronize_stream(buffer.producer_stream())  # the transport reads next
         gathered = time.perf_counter()
