@@ -214,12 +214,13 @@ class MappedWriter:
             return None
         plan = plan_segments(len(pages), page_size, layout.bytes_per_token(), reg.segment_bytes)
         nbytes = layout.block_bytes(write.writer, len(pages) * page_size)
+        piece = layout.slices[write.writer]
+        kv_slice = piece.source(page_size)
         notice = notice_for(self.ringers, write, self.rank)
         bell = notice.device_bell(first.device)
-        piece = layout.slices[write.writer]
         segments = [(segment.page_start, segment.num_pages) for segment in plan]
         target = PeerPages(buffers, reg.pages, piece.dst_head_start)
-        launch = PageWrite(pages, target, segments, piece.source(page_size), bell).arm(self.kv)
+        launch = PageWrite(pages, target, segments, kv_slice, bell).arm(self.kv)
         link = Link(self.transport, write.peer)
         return ArmedWrite(write.room, link, launch, nbytes, notice, first.device, self.observer)
 
