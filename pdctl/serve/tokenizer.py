@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+
+from pdctl.records import JSONValue
 
 
 class Tokenizer(ABC):
@@ -77,7 +78,7 @@ def _chat_config(path: Path) -> tuple[str | None, dict[str, str]]:
     transformers picks it) and its special tokens as text; a `chat_template.jinja` file
     beside it wins, as with transformers."""
     file = path / "tokenizer_config.json"
-    config: dict[str, Any] = {}
+    config: dict[str, JSONValue] = {}
     if file.is_file():
         loaded = json.loads(file.read_text(encoding="utf-8"))
         config = loaded if isinstance(loaded, dict) else {}
