@@ -41,13 +41,13 @@ import torch
 
 from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.pd.bells import Ringers
-from pdctl.serve.pd.notice import BellNotice, Notice, notice_for
+from pdctl.serve.pd.notice import Notice, notice_for
 from pdctl.serve.pd.writes import Link, RoomWrite
 from pdctl.staging import device as dev
 from pdctl.staging import held
 from pdctl.staging.doorbell import BellBox, BellRinger
 from pdctl.staging.kernels import PendingDigests
-from pdctl.staging.kernels.page_write import PeerPages, arm_slice_write
+from pdctl.staging.kernels.page_write import PeerPages, arm_slice_write, start_slice_write
 from pdctl.staging.layout import KVSlice, plan_segments
 from pdctl.staging.mapped import MappedPools
 from pdctl.staging.transport import Transport
@@ -120,8 +120,7 @@ class ArmedWrite:
         return self.observer.firing(self._fire)
 
     def _fire(self) -> StartedWrite:
-        began, ended = _timing_events(self.device, 2)
-        stream = dev.current_device_stream(self.device)
+        stream, (began, ended) = _timed(self.device, 2)
         began.record(stream)
         pending = self.launch()
         if not pending.rung:
@@ -130,25 +129,6 @@ class ArmedWrite:
         if pending.rung:
             self.notice.rung()
         return StartedWrite(self.room, self.link, pending, began, ended, self.nbytes, self.notice)
-
-
-@dataclass(frozen=True)
-class PageWrite:
-    """What one launch writes (`kernels.page_write`): the slice of every layer of this
-    pool's `pages` into the target's, each segment's (page_start, num_pages) digested;
-    `bell`: what the launch rings at its end."""
-
-    pages: list[int]
-    target: PeerPages
-    segments: list[tuple[int, int]]
-    kv_slice: KVSlice
-    bell: tuple[int, int] | None
-
-    def arm(self, kv: KVPool) -> Callable[[], PendingDigests]:
-        k, v = kv.k_buffers, kv.v_buffers
-        return arm_slice_write(
-            k, v, self.pages, self.target, self.segments, self.kv_slice, bell=self.bell
-        )
 
 
 class MappedWriter:
@@ -179,12 +159,13 @@ class MappedWriter:
             with BellBox(1, 2 * len(kv.k_buffers)) as box, BellRinger(box.info) as ringer:
                 ticket = box.ticket()
                 assert ticket is not None
-                scratch = [kv.scratch_row // kv.page_size]
-                own = [b for pair in zip(kv.k_buffers, kv.v_buffers, strict=True) for b in pair]
-                bell = BellNotice(ringer, ticket).device_bell(first.device)
+                k, v, scratch = kv.k_buffers, kv.v_buffers, [kv.scratch_row // kv.page_size]
+                own = [b for pair in zip(k, v, strict=True) for b in pair]
+                address = ringer.device_slot(ticket.slot, first.device)
+                bell = None if address is None else (address, ticket.seq)
                 every_head = KVSlice(0, first.shape[1], kv.page_size)
-                write = PageWrite(scratch, PeerPages(own, scratch, 0), [(0, 1)], every_head, bell)
-                pending = write.arm(kv)()
+                target = PeerPages(own, scratch, 0)
+                pending = start_slice_write(k, v, scratch, target, [(0, 1)], every_head, bell=bell)
                 pending.result()
                 if pending.rung and box.wait(ticket, 5.0) is None:
                     log.warning("the doorbell warm-up rang nothing: device rings may not arrive")
@@ -216,11 +197,11 @@ class MappedWriter:
         nbytes = layout.block_bytes(write.writer, len(pages) * page_size)
         piece = layout.slices[write.writer]
         kv_slice = piece.source(page_size)
-        notice = notice_for(self.ringers, write, self.rank)
-        bell = notice.device_bell(first.device)
+        notice = notice_for(self.ringers, write, self.rank, first.device)
         segments = [(segment.page_start, segment.num_pages) for segment in plan]
         target = PeerPages(buffers, reg.pages, piece.dst_head_start)
-        launch = PageWrite(pages, target, segments, kv_slice, bell).arm(self.kv)
+        k, v, bell = self.kv.k_buffers, self.kv.v_buffers, notice.device_bell
+        launch = arm_slice_write(k, v, pages, target, segments, kv_slice, bell=bell)
         link = Link(self.transport, write.peer)
         return ArmedWrite(write.room, link, launch, nbytes, notice, first.device, self.observer)
 
@@ -239,13 +220,16 @@ class MappedWriter:
         inline only names the caller to the observer."""
         device = self.kv.k_buffers[0].device
         rang = started.rang
-        told = started.ended if rang else _timing_events(device, 1)[0]
+        if rang:
+            told = started.ended  # the device rang behind the write
+        else:  # recorded once decode was told from here
+            stream, (told,) = _timed(device, 1)
         started.ended.synchronize()  # the bytes are in decode's pool
         began_s = time.perf_counter()
         if not rang:  # the device did not ring: decode is told from here
             digests = list(chain.from_iterable(started.pending.result()))
             started.notice.tell(started.link, digests, started.nbytes)
-            told.record(dev.current_device_stream(device))
+            told.record(stream)
             told.synchronize()
         finish_s = time.perf_counter() - began_s
         seconds = started.began.elapsed_time(told) / 1e3
@@ -256,10 +240,12 @@ class MappedWriter:
         return seconds
 
 
-def _timing_events(device: torch.device, count: int) -> list[Any]:
-    """Timing events; on CUDA ones whose record keeps the GIL (`staging.held`)."""
+def _timed(device: torch.device, count: int) -> tuple[Any, list[Any]]:
+    """The calling thread's current stream and `count` timing events (on CUDA, ones
+    whose record keeps the GIL: `staging.held`)."""
+    stream = dev.current_device_stream(device)
     events = []
     for _ in range(count):
         event = held.held_event(device)
         events.append(event if event is not None else dev.create_device_event(device, timing=True))
-    return events
+    return stream, events

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -27,6 +28,9 @@ class Notice(ABC):
     """How decode is told one write landed, with the write's digests."""
 
     how: ClassVar[str]  # as a write's observer hears it
+    # what a mapped write's launch rings at its end (the doorbell slot's device address,
+    # the ticket's sequence number); None: the host tells decode
+    device_bell: tuple[int, int] | None = None
 
     @abstractmethod
     def tell(self, link: Link, digests: list[int], nbytes: int) -> None:
@@ -43,47 +47,38 @@ class Notice(ABC):
         link.write(*copies)
         self.tell(link, digests(), nbytes)
 
-    def device_bell(self, device: torch.device) -> tuple[int, int] | None:
-        """What a mapped write's launch rings at its end (the doorbell slot's device
-        address, the ticket's sequence number); None: the host tells decode."""
-        return None
-
     @abstractmethod
     def rung(self) -> None:
         """The launch rang `device_bell`: decode is told already."""
 
 
+@dataclass(frozen=True)
 class BellNotice(Notice):
     how = "doorbell (host)"
 
-    def __init__(self, ringer: BellRinger, ticket: Ticket) -> None:
-        self.ringer, self.ticket = ringer, ticket
+    ringer: BellRinger
+    ticket: Ticket
+    device_bell: tuple[int, int] | None = None
 
     def tell(self, link: Link, digests: list[int], nbytes: int) -> None:
         self.ringer.ring(self.ticket, DIGESTS, digests)
-
-    def device_bell(self, device: torch.device) -> tuple[int, int] | None:
-        slot = self.ringer.device_slot(self.ticket.slot, device)
-        return None if slot is None else (slot, self.ticket.seq)
 
     def rung(self) -> None:
         self.ringer.announce(self.ticket)  # decode looks closely from now on
 
 
+@dataclass(frozen=True)
 class MessageNotice(Notice):
     how = "notification"
 
-    def __init__(self, room: int, rank: int) -> None:
-        self.room, self.rank = room, rank
+    room: int
+    rank: int  # the writer's prefill rank
 
     def message(self, digests: list[int], nbytes: int) -> bytes:
         return proto.notify_message(self.room, proto.DIRECT_SEGMENT, self.rank, digests, nbytes)
 
     def tell(self, link: Link, digests: list[int], nbytes: int) -> None:
         link.notify(self.message(digests, nbytes))
-
-    def rung(self) -> None:
-        pass  # no doorbell (`device_bell` is None): never rung
 
     def with_write(
         self,
@@ -95,9 +90,19 @@ class MessageNotice(Notice):
         # made once the copy is done (or before, by other transports)
         link.write(*copies, notify=lambda: self.message(digests(), nbytes))
 
+    def rung(self) -> None:
+        pass  # no doorbell (`device_bell` is None): never rung
 
-def notice_for(ringers: Ringers, write: RoomWrite, rank: int) -> Notice:
-    """Writer `write.writer`'s doorbell where decode offered one and its box opens here,
-    else the notification (from prefill rank `rank`)."""
+
+def notice_for(
+    ringers: Ringers, write: RoomWrite, rank: int, device: torch.device | None = None
+) -> Notice:
+    """Writer `write.writer`'s doorbell where decode offered one and its box opens here
+    (rung from `device` where a launch there can, given), else the notification from
+    prefill rank `rank`."""
     found = ringers.ticket(write.reg, write.writer)
-    return MessageNotice(write.room, rank) if found is None else BellNotice(*found)
+    if found is None:
+        return MessageNotice(write.room, rank)
+    ringer, ticket = found
+    slot = None if device is None else ringer.device_slot(ticket.slot, device)
+    return BellNotice(ringer, ticket, None if slot is None else (slot, ticket.seq))
