@@ -35,7 +35,7 @@ from pdctl.serve.pd.mapped_write import NOOP, MappedWriter, WriteObserver
 from pdctl.serve.pd.staged import StagedWrite, StagingBuffers
 from pdctl.serve.pd.targets import Targets
 from pdctl.serve.pd.waits import RoomWaits, SendFailed, Snapshot
-from pdctl.serve.pd.write_faults import CorruptDescribed, CorruptStaged, RoomWays
+from pdctl.serve.pd.write_faults import RoomWays
 from pdctl.serve.pd.writes import Link, RoomWrite, SendClock
 from pdctl.staging import device as dev
 from pdctl.staging.transport import Transport, TransportError
@@ -100,15 +100,8 @@ class KVSender:
         if transport.RINGS_BELLS:  # same-host device writes are mapped writes: compile them now
             self.mapped.warm()
         staged = StagedWrite(rank, kv, staging, self.waits)
-        described = DescribedWrite(rank, kv, self.mapped.ringers)
-        self.ways = RoomWays(
-            plain={"staging": staged, "direct": DirectWrite(self.mapped, described)},
-            corrupt={
-                "staging": CorruptStaged(staged),
-                "direct": CorruptDescribed(described, staging),
-            },
-            waits=self.waits,
-        )
+        direct = DirectWrite(self.mapped, DescribedWrite(rank, kv, self.mapped.ringers))
+        self.ways = RoomWays.around(staged, direct, staging, self.waits)  # faults wrap them
         self.early = EarlyWrites(self.mapped, self.waits, self.targets, self.ways.draw, notify_at)
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix=f"pdctl-send-{rank}")
         self._local = threading.local()

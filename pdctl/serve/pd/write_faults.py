@@ -22,9 +22,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from pdctl.serve.faults import RoomFaults
-from pdctl.serve.pd.direct import DescribedWrite
+from pdctl.serve.pd.direct import DescribedWrite, DirectWrite
 from pdctl.serve.pd.notice import MessageNotice
-from pdctl.serve.pd.staged import StagingBuffers
+from pdctl.serve.pd.staged import StagedWrite, StagingBuffers
 from pdctl.serve.pd.waits import RoomWaits
 from pdctl.serve.pd.writes import (
     Addresses,
@@ -43,10 +43,23 @@ FLIP = 0x5A
 
 
 class RoomWays:
-    """A sender's ways by registration mode (built once), and a room's, its faults'."""
+    """A sender's ways by registration mode, built once (`plain`, and `corrupt` around
+    them), and a room's ways as its drawn faults wrap them."""
 
     def __init__(self, plain: Ways, corrupt: Ways, waits: RoomWaits) -> None:
         self.plain, self.corrupt, self.waits = plain, corrupt, waits
+
+    @staticmethod
+    def around(
+        staged: StagedWrite, direct: DirectWrite, buffers: StagingBuffers, waits: RoomWaits
+    ) -> RoomWays:
+        """A room's ways by registration mode, and corrupt-kv's around them."""
+        plain: Ways = {"staging": staged, "direct": direct}
+        corrupt: Ways = {
+            "staging": CorruptStaged(staged),
+            "direct": CorruptDescribed(direct.described, buffers),
+        }
+        return RoomWays(plain, corrupt, waits)
 
     def draw(self, room: int) -> RoomFaults:
         """The room's faults, drawn once decode registered it."""
