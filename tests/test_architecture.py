@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import REPO
 
 PACKAGE = REPO / "pdctl"
-SHARED = {"core", "errors", "console", "records", "settings"}  # vocabulary any package may use
+SHARED = {"core", "errors", "console", "records", "settings", "titles"}  # vocabulary any package may use
 # package -> the pdctl packages it may import (besides itself and SHARED).
 ALLOWED: dict[str, set[str]] = {
     "cli": {"launch", "verify", "topology", "engines", "staging"},  # staging: bench, doctor
@@ -28,14 +28,16 @@ ALLOWED: dict[str, set[str]] = {
     "console": set(),
     "records": set(),
     "settings": set(),
+    "titles": set(),
 }
 # no SHARED extras; records: the JSON between processes, which servers write
 STRICT = {
     "staging": set(),
     "core": set(),
     "records": set(),
-    "serve": {"staging", "core", "records", "settings"},
+    "serve": {"staging", "core", "records", "settings", "titles"},
     "settings": set(),
+    "titles": set(),
 }
 
 

@@ -15,6 +15,7 @@ from pdctl import console
 from pdctl.cli.bench import chosen_backends
 from pdctl.cli.common import Options, QuietOption, VerboseOption, options
 from pdctl.errors import CheckFailed, UsageError
+from pdctl.titles import short_title
 
 DEFAULT_TOPOLOGY = Path("topologies/cpu-p1d2-tcp.yaml")
 
@@ -183,7 +184,7 @@ def render(report: dict[str, Any]) -> None:
             memory.add_row(
                 row["transport"],
                 p["server"],
-                _short(p["title"]),
+                short_title(p["title"]),
                 str(p["pid"]),
                 f"{p['rss_warm_mib']:.1f}",
                 f"{p['rss_end_mib']:.1f}",
@@ -197,8 +198,3 @@ def render(report: dict[str, Any]) -> None:
 
 def _warm(report: dict[str, Any]) -> str:
     return str(report["rows"][0]["rss_warmup_request"]) if report["rows"] else "-"
-
-
-def _short(title: str) -> str:
-    """pdctl:<topology>:<role>:tp<rank> as <role>:tp<rank>; a helper's name as it is."""
-    return ":".join(title.split(":")[-2:]) if title.startswith("pdctl:") else title

@@ -24,6 +24,7 @@ from pdctl.engines.routers import (
     router_probes,
     router_slots,
 )
+from pdctl.titles import rank_title
 from pdctl.topology import LoadedTopology, TopologyError, load_file
 from pdctl.topology.issues import Issue, errors_only
 from pdctl.topology.model import Topology
@@ -171,8 +172,7 @@ def load_checked(path: str | Path) -> LoadedTopology:
 
 
 def _title(topology: Topology, server: ServerLayout, rank: int) -> str:
-    role = server.role if server.replica == 0 else f"{server.role}-{server.replica}"
-    return f"pdctl:{topology.name}:{role}:tp{rank}"
+    return rank_title(topology.name, server.role, rank, server.replica)
 
 
 def make_plan(loaded: LoadedTopology) -> LaunchPlan:
@@ -211,7 +211,7 @@ def make_plan(loaded: LoadedTopology) -> LaunchPlan:
             name=ROUTER,
             role=ROUTER,
             replica=0,
-            ranks=(RankPlan(0, None, f"pdctl:{topology.name}:router:tp0"),),
+            ranks=(RankPlan(0, None, rank_title(topology.name, ROUTER, 0)),),
             ports=tuple(router_slots(topology)),
             env=router_env,
             command=router_command(topology, slot_maps),

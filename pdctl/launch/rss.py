@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 from pdctl.launch.processes import group_members
+from pdctl.titles import is_pdctl_title
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def _title(pid: int) -> str:
     except OSError:
         return "?"
     first = words[0].decode(errors="replace").strip() if words else ""
-    if first.startswith("pdctl:"):
+    if is_pdctl_title(first):
         return first
     try:
         with open(f"/proc/{pid}/comm") as handle:

@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 from pdctl.serve.settings import ServeSettings, add_arguments, from_namespace
+from pdctl.titles import role_name
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class ServerArgs:
 
     @property
     def title_role(self) -> str:
-        return self.role if self.replica == 0 else f"{self.role}-{self.replica}"
+        return role_name(self.role, self.replica)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -42,6 +42,7 @@ from typing import Any
 
 import pdctl.serve.__main__ as serve_main
 from pdctl.serve.ranks import die_with_parent
+from pdctl.titles import helper_title
 
 # What a server of any role imports before it reads its arguments' consequences.
 PRELOADED = (  # pdctl.serve.__main__ (arguments, ranks) is imported above
@@ -169,7 +170,7 @@ def _set_title(topology: str) -> None:
         import setproctitle
     except ImportError:  # the title is a convenience, not a requirement
         return
-    setproctitle.setproctitle(f"pdctl:{topology}:forkserver")
+    setproctitle.setproctitle(helper_title(topology, "forkserver"))
 
 
 def main() -> None:

@@ -17,10 +17,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from pdctl.serve.args import ServerArgs
+from pdctl.titles import rank_title
 
 
 def set_identity(args: ServerArgs) -> None:
-    title = f"pdctl:{args.topology_name}:{args.title_role}:tp{args.tp_rank}"
+    title = rank_title(args.topology_name, args.role, args.tp_rank, args.replica)
     try:
         import setproctitle
 
