@@ -13,7 +13,14 @@ import pytest
 from tests.conftest import REPO
 
 PACKAGE = REPO / "pdctl"
-SHARED = {"core", "errors", "console", "records", "settings", "titles"}  # vocabulary any package may use
+SHARED = {
+    "core",
+    "errors",
+    "console",
+    "records",
+    "settings",
+    "titles",
+}  # vocabulary any package may use
 # package -> the pdctl packages it may import (besides itself and SHARED).
 ALLOWED: dict[str, set[str]] = {
     "cli": {"launch", "verify", "topology", "engines", "staging"},  # staging: bench, doctor
@@ -166,8 +173,28 @@ def test_torch_cuda_only_in_the_device_module() -> None:
 
 def test_files_stay_small() -> None:
     sizes = {p: len(p.read_text().splitlines()) for p in SOURCES}
-    too_big = {str(p.relative_to(REPO)): n for p, n in sizes.items() if n > 500}
+    too_big = {str(p.relative_to(REPO)): n for p, n in sizes.items() if n > 450}
     assert too_big == {}
+
+
+# Ratchets (issue 37): what the package had when they were set; lower them as it shrinks.
+UNTYPED_DICTS = 94  # `dict[str, Any]` occurrences (307 when issue 37 began)
+
+
+def test_no_formatting_held_off() -> None:
+    """No `# fmt: skip`: a wall ruff would explode is reshaped (a table, a record, flags())."""
+    held = [
+        f"{p.relative_to(REPO)}:{n}"
+        for p in SOURCES
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if "# fmt: skip" in line
+    ]
+    assert held == []
+
+
+def test_untyped_dicts_do_not_grow() -> None:
+    count = sum(p.read_text().count("dict[str, Any]") for p in SOURCES)
+    assert count <= UNTYPED_DICTS, f"{count} `dict[str, Any]` (at most {UNTYPED_DICTS}): type it"
 
 
 def test_nothing_kills_processes_by_name() -> None:
