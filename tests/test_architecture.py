@@ -514,3 +514,12 @@ def test_the_allow_lists_are_minimal() -> None:
         if not (REPO / rel).exists() or not env_names((REPO / rel).read_text(encoding="utf-8"))
     ]  # fmt: skip
     assert (sorted(clean_private), sorted(clean_env)) == ([], [])
+
+
+def test_test_files_have_unique_names() -> None:
+    """pytest imports test files by their base name (tests/ has no __init__.py): two
+    files of one name fail the collection of the second ("import file mismatch")."""
+    names: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
