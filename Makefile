@@ -34,10 +34,11 @@ demo: setup
 # Two workers, a test file each at a time: the servers the tests start spend much of
 # their time waiting, so two files overlap well on two cores (16 min -> 11 min). The two
 # environments build side by side (mostly downloads and unpacking); the slowest tests
-# are listed at the end, so a run that grows says where.
+# are listed at the end, so a run that grows says where. The order of the files is
+# tests/conftest.py's (the real-vLLM file first).
 test:
 	@$(MAKE) --no-print-directory -j2 setup setup-vllm
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # The CPU suite as a CI nightly runs it: every topology tagged `cpu`, reports in runs/.
 nightly-cpu: setup

@@ -14,15 +14,22 @@ from typer.testing import CliRunner
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The real-vLLM file runs about 6 minutes on one worker: first in the order, so that with
-# two workers (`make test`, --dist loadfile) it overlaps the rest of the suite instead of
-# running alone at the end while the other worker idles.
+# The order `make test` hands files to its two workers (--dist loadfile with
+# --no-loadscope-reorder keeps this order): the real-vLLM file first, about 6 minutes on
+# one worker, so that it overlaps the rest of the suite instead of running alone at the
+# end; then the files with the most tests first, as xdist's own reordering would, so the
+# small ones fill the end.
 SLOW_FIRST = ("tests/engines/test_vllm_serving.py",)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    first = [item for item in items if item.nodeid.startswith(SLOW_FIRST)]
-    items[:] = first + [item for item in items if not item.nodeid.startswith(SLOW_FIRST)]
+    def file_of(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    count: dict[str, int] = {}
+    for item in items:
+        count[file_of(item)] = count.get(file_of(item), 0) + 1
+    items.sort(key=lambda item: (not file_of(item).startswith(SLOW_FIRST), -count[file_of(item)]))
 
 
 CATALOG = sorted((REPO / "topologies").glob("*.yaml"))

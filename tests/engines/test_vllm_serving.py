@@ -58,9 +58,9 @@ def groups_alive(pgids: list[int]) -> list[str]:
 
 
 def verify(
-    topology: Path, tmp_path: Path
+    topology: Path, tmp_path: Path, *, reference: bool = True
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    """`pdctl verify FILE --serial-compare --reference` in a folder of its own, with a
+    """`pdctl verify FILE --serial-compare --[no-]reference` in a folder of its own, with a
     home and a temporary folder of its own (both must stay empty)."""
     home, tmp, work = tmp_path / "home", tmp_path / "tmp", tmp_path / "work"
     for folder in (home, tmp, work):
@@ -68,17 +68,20 @@ def verify(
     env = {**os.environ, "HOME": str(home), "TMPDIR": str(tmp)}
     env.pop("XDG_CACHE_HOME", None)
     report = tmp_path / "verify.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "pdctl", "verify", str(topology), "--serial-compare",
-         "--reference", "--json", str(report), "--junit", str(tmp_path / "verify.xml")],
-        cwd=work, env=env, capture_output=True, text=True, timeout=540,
-    )  # fmt: skip
+    command = [sys.executable, "-m", "pdctl", "verify", str(topology), "--serial-compare"]
+    command.append("--reference" if reference else "--no-reference")
+    command += ["--json", str(report), "--junit", str(tmp_path / "verify.xml")]
+    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=540)
     assert report.exists(), done.stderr[-3000:]
     return done, json.loads(report.read_text())
 
 
 def check_verified(
-    done: subprocess.CompletedProcess[str], report: dict[str, Any], tmp_path: Path
+    done: subprocess.CompletedProcess[str],
+    report: dict[str, Any],
+    tmp_path: Path,
+    *,
+    reference: bool = True,
 ) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert report["verdict"] == "pass", report["findings"]
@@ -88,8 +91,11 @@ def check_verified(
     # the transfer of every PD request proven from decode's own accounting
     proof = "decode's vllm:prompt_tokens_by_source_total"
     assert all(r["transfer_proven"] == proof for r in pd_requests)
-    reference = report["passes"][4]["requests"]
-    assert len(reference) == 12 and all(r["ok"] and not r["transfer_proven"] for r in reference)
+    served = report["passes"][4]["requests"]
+    if reference:
+        assert len(served) == 12 and all(r["ok"] and not r["transfer_proven"] for r in served)
+    else:
+        assert served == [] and report["passes"][4]["skipped"], report["passes"][4]
     assert report["settings"]["engine"] == "vllm"
     assert report["settings"]["transfer_proof"] == proof
     xml = (tmp_path / "verify.xml").read_text()
@@ -98,13 +104,14 @@ def check_verified(
     # nothing left running: every process group the run recorded is gone
     run_dir = Path(next(iter(report["logs"].values()))).parent
     recorded = json.loads((run_dir / "run.json").read_text())["processes"]
-    assert {p["name"] for p in recorded} >= {"prefill-0", "decode-0", "router", "reference"}
+    servers = ["prefill-0", "decode-0", *(["reference"] if reference else [])]
+    assert {p["name"] for p in recorded} >= {*servers, "router"}
     assert groups_alive([p["pgid"] for p in recorded]) == []
     # nothing written outside the run directory: home and TMPDIR untouched; vLLM's
     # sockets and temporary files went to each server's folder of the run
     assert list((tmp_path / "home").iterdir()) == []
     assert list((tmp_path / "tmp").iterdir()) == []
-    for server in ("prefill-0", "decode-0", "reference"):
+    for server in servers:
         assert (run_dir / server / "tmp").is_dir()
 
 
@@ -114,8 +121,11 @@ def test_vllm_pd_verified_through_the_builtin_router(tmp_path: Path) -> None:
 
 
 def test_vllm_pd_verified_through_vllm_router(tmp_path: Path) -> None:
-    done, report = verify(VLLM_ROUTER, tmp_path)
-    check_verified(done, report, tmp_path)
+    """The same passes through vllm-router; the colocated reference, the same vLLM
+    server as in the test above, is compared there only (a fourth vLLM process on two
+    cores costs the suite about a minute)."""
+    done, report = verify(VLLM_ROUTER, tmp_path, reference=False)
+    check_verified(done, report, tmp_path, reference=False)
     assert report["environment"]["router"] is not None
 
 
