@@ -516,6 +516,41 @@ def test_the_allow_lists_are_minimal() -> None:
     assert (sorted(clean_private), sorted(clean_env)) == ([], [])
 
 
+def engine_branches(source: str) -> list[int]:
+    """Lines that ask which engine a topology runs (`x.engine == "vllm"`, `!=`, `in`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        asks = any(isinstance(s, ast.Attribute) and s.attr == "engine" for s in sides)
+        names = any(
+            (isinstance(s, ast.Constant) and isinstance(s.value, str))
+            or isinstance(s, (ast.Tuple, ast.List, ast.Set))
+            for s in sides
+        )
+        if asks and names:
+            found.append(node.lineno)
+    return found
+
+
+def test_only_engines_ask_which_engine_runs() -> None:
+    """An engine is an adapter, not a branch (CONVENTIONS.md 18): what differs by engine
+    is a method or attribute of `Engine`, asked through `get_engine`."""
+    found = {
+        _rel(p): lines
+        for p in SOURCES
+        if top_package(p) != "engines" and (lines := engine_branches(p.read_text()))
+    }
+    assert found == {}
+
+
+def test_the_engine_branch_rule_sees_one() -> None:
+    assert engine_branches('if topology.engine != "embedded":\n    pass\n') == [1]
+    assert engine_branches('x = t.engine in ("sglang", "vllm")\n') == [1]
+    assert engine_branches("x = get_engine(t.engine).own_servers\n") == []
+
+
 def test_test_files_have_unique_names() -> None:
     """pytest imports test files by their base name (tests/ has no __init__.py): two
     files of one name fail the collection of the second ("import file mismatch")."""

@@ -15,6 +15,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
+from pdctl.core import read_checkpoint_shape
+from pdctl.engines.checkpoint import ModelPath, checkpoint_issues
 from pdctl.engines.command import Command, PortSlot
 from pdctl.engines.dialect import Dialect, GenerateDialect
 from pdctl.engines.probes import Probe
@@ -84,6 +86,10 @@ class Engine(ABC):
     proof: ClassVar[TransferProof | None] = None  # the engine's own transfer accounting
     workdir: ClassVar[bool] = False  # each server runs in its own folder of the run
     pd_flow: ClassVar[str] = "bootstrap"  # how a router splits a request (serve/router)
+    # pdctl's own servers: answers carry KV digests, faults and pdctl's benchmarks apply
+    own_servers: ClassVar[bool] = False
+    # model.path may be a Hugging Face hub id, which only the engine resolves
+    takes_hub_ids: ClassVar[bool] = True
 
     @abstractmethod
     def port_slots(self, topology: Topology, server: ServerLayout) -> list[PortSlot]: ...
@@ -156,6 +162,13 @@ class Engine(ABC):
         serving.args, and none of what only pdctl's own servers do."""
         yield from self.flag_issues(topology)
         yield from own_server_issues(topology)
+
+    def model_issues(self, model: ModelPath) -> Iterator[Issue]:
+        """model.path's checkpoint: a path that names nothing here is a hub id the engine
+        resolves; a local one must hold a config.json whose shape can be read."""
+        if self.takes_hub_ids and not model.local.exists():
+            return
+        yield from checkpoint_issues(model, read_checkpoint_shape)
 
     def flag_issues(self, topology: Topology) -> Iterator[Issue]:
         """No flag the engine manages in a role's `args` or in serving.args."""

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import ClassVar
 
-from pdctl.core import encoder_tp_problem
+from pdctl.core import encoder_tp_problem, read_checkpoint_config, supported_checkpoints
 from pdctl.engines.base import REFERENCE, Engine, ReferenceSpec, base_slots, python
+from pdctl.engines.checkpoint import ModelPath, checkpoint_issues
 from pdctl.engines.command import (
     Arg,
     Command,
@@ -69,6 +70,8 @@ def model_args(topology: Topology, kv_pool_tokens: int | None = None) -> list[st
 
 class EmbeddedEngine(Engine):
     name = "embedded"
+    own_servers = True
+    takes_hub_ids = False  # pdctl's servers read local checkpoints only
     managed_flags: ClassVar[Mapping[str, str]] = {
         "--role": "roles",
         "--topology-name": "name",
@@ -104,6 +107,13 @@ class EmbeddedEngine(Engine):
         "--bootstrap-timeout": "transfer.timeouts.bootstrap_s",
         "--transfer-timeout": "transfer.timeouts.transfer_s",
     }
+
+    def model_issues(self, model: ModelPath) -> Iterator[Issue]:
+        """The checkpoint through the embedded engine's own reader (its loader's): what
+        it cannot compute is refused here, not when the server starts."""
+        runs = supported_checkpoints()
+        hint = f"the embedded engine runs {runs}; engines sglang and vllm run many more"
+        yield from checkpoint_issues(model, read_checkpoint_config, hint)
 
     def check(self, topology: Topology) -> Iterator[Issue]:
         """Managed flags, and what pdctl's servers take differently from other engines:

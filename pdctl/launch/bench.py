@@ -31,6 +31,7 @@ from typing import Any, TypedDict
 import httpx
 import yaml
 
+from pdctl.engines import get_engine
 from pdctl.errors import UsageError
 from pdctl.launch.launcher import make_run
 from pdctl.launch.plan import load_checked, make_plan
@@ -100,7 +101,7 @@ class Streamed:
 def refuse_other_engines(topology: Topology, command: str, instead: str) -> None:
     """pdctl's benchmarks read what pdctl's own servers report (`/generate`, the KV
     sent): another engine's topology is a usage error, never a half-measured run."""
-    if topology.engine != "embedded":
+    if not get_engine(topology.engine).own_servers:
         raise UsageError(
             f"pdctl {command} measures pdctl's own servers; {topology.name} runs engine "
             f"{topology.engine}",
@@ -257,6 +258,11 @@ def variant(
     if staging:
         transfer.setdefault("staging", {}).update(staging)
     _merge(data, changes or {})
+    model = data.get("model")
+    if isinstance(model, dict) and isinstance(model.get("path"), str):
+        local = path.parent / Path(model["path"]).expanduser()  # the copy lives elsewhere
+        if local.exists():
+            model["path"] = str(local.resolve())
     target = directory / f"{path.stem}-{backend}.yaml"
     target.write_text(yaml.safe_dump(data, sort_keys=False))
     return target

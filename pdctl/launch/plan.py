@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdctl.engines import get_engine
-from pdctl.engines.base import Preparation
+from pdctl.engines.base import Engine, Preparation
+from pdctl.engines.checkpoint import ModelPath
 from pdctl.engines.command import Command, PortSlot, render_command, shell_line
 from pdctl.engines.probes import Probe
 from pdctl.engines.routers import (
@@ -36,6 +37,7 @@ from pdctl.topology.resolve import (
     requirements,
     servers,
 )
+from pdctl.topology.rules import model_path
 
 
 @dataclass(frozen=True)
@@ -152,18 +154,43 @@ def _process_json(
 
 
 def check_engine(loaded: LoadedTopology) -> LoadedTopology:
-    """Run the engine's and router's rules; raise TopologyError on any error."""
+    """Run the engine's and router's rules, the model's checkpoint among them; raise
+    TopologyError on any error. model.path comes back absolute where it names something
+    on this machine (servers start in other folders), as written where it is a hub id
+    the engine resolves."""
     topology = loaded.topology
     engine = get_engine(topology.engine)
-    extra = [*engine.check(topology), *router_issues(topology)]
+    model = _model_path(loaded)
+    extra = [
+        *(engine.model_issues(model) if model is not None else ()),
+        *engine.check(topology),
+        *router_issues(topology),
+    ]
     issues = [loaded.locate(issue) for issue in extra]
     if errors_only(issues):
         raise TopologyError(sorted([*issues, *loaded.warnings], key=lambda i: i.line or 0))
-    if not issues:
-        return loaded
     return LoadedTopology(
-        loaded.topology, loaded.file, loaded.source, loaded.base_dir, (*loaded.warnings, *issues)
+        _with_model_path(topology, model, engine),
+        loaded.file,
+        loaded.source,
+        loaded.base_dir,
+        (*loaded.warnings, *issues),
     )
+
+
+def _model_path(loaded: LoadedTopology) -> ModelPath | None:
+    local = model_path(loaded.topology, loaded.context)
+    written = loaded.topology.model.path
+    return None if local is None or written is None else ModelPath(written, local)
+
+
+def _with_model_path(topology: Topology, model: ModelPath | None, engine: Engine) -> Topology:
+    if model is None or str(model.local) == model.written:
+        return topology
+    if engine.takes_hub_ids and not model.local.exists():
+        return topology  # a hub id, as written
+    resolved = topology.model.model_copy(update={"path": str(model.local.resolve())})
+    return topology.model_copy(update={"model": resolved})
 
 
 def load_checked(path: str | Path) -> LoadedTopology:

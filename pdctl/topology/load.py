@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from pdctl.topology.issues import Issue, RuleContext, TopologyError, errors_only
 from pdctl.topology.messages import translate_all
 from pdctl.topology.model import Topology
-from pdctl.topology.rules import model_path, run_rules
+from pdctl.topology.rules import run_rules
 from pdctl.topology.source import SourceMap, SourceProblem, decode_text, kind_of, parse
 
 MAX_FILE_BYTES = 1 << 20  # a topology is a few KB; refuse to parse anything huge
@@ -78,22 +78,8 @@ def load_text(text: str, file: str = "<topology>", base_dir: Path | None = None)
     issues = _sorted([_locate(issue, file, source) for issue in run_rules(topology, context)])
     if errors_only(issues):
         raise TopologyError(issues)
-    topology = _with_engine_python(_with_model_path(topology, context), context)
+    topology = _with_engine_python(topology, context)
     return LoadedTopology(topology, file, source, context.base_dir, tuple(issues))
-
-
-def _with_model_path(topology: Topology, context: RuleContext) -> Topology:
-    """model.path made absolute, so servers started from any folder find it: relative
-    paths start at the topology file's folder. SGLang also takes hub ids, so there a
-    path that names nothing on this machine stays as written."""
-    path = model_path(topology, context)
-    written = topology.model.path
-    if path is None or written is None or str(path) == written:
-        return topology
-    if topology.engine != "embedded" and not path.exists():
-        return topology
-    model = topology.model.model_copy(update={"path": str(path.resolve())})
-    return topology.model_copy(update={"model": model})
 
 
 def _with_engine_python(topology: Topology, context: RuleContext) -> Topology:

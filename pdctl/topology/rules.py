@@ -11,14 +11,7 @@ import ipaddress
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from pdctl.core import (
-    MODEL_PRESETS,
-    CheckpointRefused,
-    ModelShape,
-    read_checkpoint_config,
-    read_checkpoint_shape,
-    supported_checkpoints,
-)
+from pdctl.core import MODEL_PRESETS, ModelShape, read_checkpoint_shape
 from pdctl.topology.env_rules import env_rules, transfer_rules
 from pdctl.topology.issues import Issue, RuleContext
 from pdctl.topology.model import Topology
@@ -49,42 +42,10 @@ def model_shape(topology: Topology, context: RuleContext) -> tuple[ModelShape | 
 
 
 def check_model(topology: Topology, context: RuleContext) -> Iterator[Issue]:
-    model = topology.model
-    if model.path is not None and "preset" in model.model_fields_set:
+    """One way to name the model. Whether a checkpoint is one the engine runs, or a hub
+    id it resolves, is the engine's (`Engine.model_issues`)."""
+    if topology.model.path is not None and "preset" in topology.model.model_fields_set:
         yield Issue(("model", "path"), "set either model.preset or model.path, not both")
-    path = model_path(topology, context)
-    if path is None or (topology.engine != "embedded" and not path.exists()):
-        return  # SGLang and vLLM also accept hub ids, which only they can resolve
-    if not path.is_dir():
-        yield Issue(
-            ("model", "path"),
-            f"checkpoint directory '{path}' does not exist on this machine",
-            "`pdctl up` will fail here; paths are relative to the topology file",
-            severity="warning",
-        )
-        return
-    written = topology.model.path
-    # the embedded engine's own reader (its loader's): what it cannot compute is refused here
-    read = read_checkpoint_config if topology.engine == "embedded" else read_checkpoint_shape
-    try:
-        read(path)
-    except CheckpointRefused as exc:
-        yield Issue(
-            ("model", "path"),
-            f"'{written}/config.json': {exc}",
-            f"the embedded engine runs {supported_checkpoints()}; engines sglang and vllm run "
-            "many more",
-        )
-    except FileNotFoundError:
-        yield Issue(
-            ("model", "path"),
-            f"'{written}' has no config.json, so it is not a Hugging Face checkpoint",
-            "point model.path at the directory holding config.json and *.safetensors",
-        )
-    except OSError as exc:
-        yield Issue(("model", "path"), f"cannot read '{written}/config.json': {exc.strerror}")
-    except ValueError as exc:
-        yield Issue(("model", "path"), f"'{written}/config.json' is not a usable config: {exc}")
 
 
 def check_tp(topology: Topology, context: RuleContext) -> Iterator[Issue]:

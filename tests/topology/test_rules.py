@@ -154,6 +154,34 @@ def test_a_hub_id_stays_as_written_for_sglang(make_topology) -> None:
     assert load_checked(path).topology.model.path == "Qwen/Qwen3-0.6B"
 
 
+def test_each_engine_answers_for_its_checkpoints(make_topology, tmp_path: Path) -> None:
+    """vLLM and SGLang take hub ids and many architectures, but a local folder must
+    still be a checkpoint; pdctl's servers read local checkpoints only (their reader
+    refuses what they cannot compute): each engine's own `model_issues`."""
+    folder = tmp_path / "weights"
+    folder.mkdir()  # no config.json
+    vllm = {
+        "engine": "vllm",
+        "engine_python": "python3",
+        "transfer": {"backend": "nixl"},
+        "serving": {"deterministic": False},
+    }
+    words = "model.path: 'weights' has no config.json, so it is not a Hugging Face checkpoint"
+    assert words in messages(make_topology(model={"path": "weights", "preset": REMOVE}, **vllm))
+    gemma = tmp_path / "gemma"
+    gemma.mkdir()
+    (gemma / "config.json").write_text(
+        json.dumps({**CONFIG, "architectures": ["GemmaForCausalLM"]})
+    )
+    loaded = load_checked(make_topology(model={"path": "gemma", "preset": REMOVE}, **vllm))
+    assert loaded.topology.model.path == str(gemma.resolve())  # absolute for the servers
+    hub = load_checked(make_topology(model={"path": "org/model", "preset": REMOVE}, **vllm))
+    assert hub.topology.model.path == "org/model" and hub.warnings == ()
+    embedded = load_checked(make_topology(model={"path": "org/model", "preset": REMOVE}))
+    assert [w.key for w in embedded.warnings] == ["model.path"]
+    assert embedded.topology.model.path == str((tmp_path / "org" / "model").resolve())
+
+
 def test_missing_checkpoint_is_a_warning_not_an_error(make_topology) -> None:
     loaded = load_checked(make_topology(model={"path": "/nonexistent/ckpt", "preset": REMOVE}))
     assert [w.key for w in loaded.warnings] == ["model.path"]
