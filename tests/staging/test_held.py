@@ -72,8 +72,9 @@ def test_a_graph_launched_through_the_driver_runs_what_torch_captured() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
 def test_a_held_record_does_not_wait_for_a_thread_holding_the_gil() -> None:
-    """Beside a busy Python thread, each call that gives the GIL away waits for it
-    (20 `time.sleep(0)` show how long); 200 held records never give it away."""
+    """Beside a busy Python thread, a call that gives the GIL away may wait for it
+    (200 `time.sleep(0)` show how long: the busy thread does not take it every time, so
+    the mean is what is compared); 200 held records never give it away."""
     device = torch.device("cuda")
     torch.cuda.synchronize(device)  # a context on this thread, whatever ran before
     event = held.held_event(device)
@@ -92,7 +93,7 @@ def test_a_held_record_does_not_wait_for_a_thread_holding_the_gil() -> None:
     running.wait()  # the spinning thread contends from the first measure on
     try:
         started = time.perf_counter()
-        for _ in range(20):
+        for _ in range(200):
             time.sleep(0)
         given_away = time.perf_counter() - started
         started = time.perf_counter()
@@ -103,7 +104,7 @@ def test_a_held_record_does_not_wait_for_a_thread_holding_the_gil() -> None:
         stop.set()
         thread.join()
         sys.setswitchinterval(switch)
-    assert given_away > 20 * 0.001  # the spinning thread really contends
+    assert given_away > 200 * 0.0002, given_away  # the spinning thread really contends
     assert kept < given_away / 2, (kept, given_away)
 
 
