@@ -21,6 +21,7 @@ fenced ring never waits on prefill's queue, which may itself wait on that ring.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import threading
 import time
@@ -43,7 +44,7 @@ from pdctl.serve.pd.protocol import (
     json_int,
     segment_from_json,
 )
-from pdctl.serve.pd.room_state import RoomWait
+from pdctl.serve.pd.room_state import RoomSnapshot, RoomWait
 
 TOMBSTONE_S = 300.0
 # Rooms are purged at most this often: a purge walks every room, tombstones included
@@ -216,7 +217,7 @@ class Rooms:
             self._changed.notify_all()
         self._changed_room(room)
 
-    def wait_for(self, room: int, condition: RoomWait, timeout: float) -> dict[str, Any]:
+    def wait_for(self, room: int, condition: RoomWait, timeout: float) -> RoomSnapshot:
         """The room's snapshot once `condition` holds, it closed, or `timeout` passed."""
 
         def ready(item: Room) -> bool:
@@ -239,16 +240,16 @@ class Rooms:
                     return None
                 self._changed.wait(min(remaining, 0.5))
 
-    def snapshot(self, room: int) -> dict[str, Any]:
+    def snapshot(self, room: int) -> RoomSnapshot:
+        """The room as it is now. Its registrations are copies: the registry's own go on
+        growing segments (`add_segments`) while a sender reads the snapshot."""
         with self._changed:
             item = self._room(room)
-            return {
-                "room": room,
-                "started": item.started,
-                "closed": item.closed,
-                "result": item.result,
-                "registrations": {str(k): v.to_json() for k, v in item.registrations.items()},
+            registrations = {
+                rank: dataclasses.replace(r, segments=list(r.segments))
+                for rank, r in item.registrations.items()
             }
+            return RoomSnapshot(room, item.started, item.closed, item.result, registrations)
 
     def open_rooms(self) -> int:
         with self._changed:
@@ -267,7 +268,10 @@ MAX_MESSAGE_BYTES = 4 << 20
 
 
 def bootstrap_app(
-    rooms: Rooms, secret: bytes, info: dict[str, Any], embeddings: EmbeddingReceiver | None = None
+    rooms: Rooms,
+    secret: bytes,
+    info: Mapping[str, object],
+    embeddings: EmbeddingReceiver | None = None,
 ) -> FastAPI:
     app = FastAPI(title="pdctl bootstrap", docs_url=None, redoc_url=None)
 
@@ -288,8 +292,8 @@ def bootstrap_app(
         return JSONResponse({"error": str(exc)}, status_code=exc.status)
 
     @app.get("/bootstrap/info")
-    async def get_info() -> dict[str, Any]:
-        return info
+    async def get_info() -> dict[str, object]:
+        return dict(info)
 
     add_registration_routes(app, rooms)
     add_room_routes(app, rooms)
@@ -353,19 +357,17 @@ def add_room_routes(app: FastAPI, rooms: Rooms) -> None:
         ranks: int = 0,
         decode_rank: int | None = None,
         segment: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         condition = RoomWait.from_query(ranks, decode_rank, segment)
-        state: dict[str, Any] = await asyncio.to_thread(
-            rooms.wait_for, room, condition, min(wait, 30.0)
-        )
-        return state
+        state = await asyncio.to_thread(rooms.wait_for, room, condition, min(wait, 30.0))
+        return state.to_json()
 
     @app.get("/bootstrap/result/{room}")
-    async def result(room: int, wait: float = 0.0) -> dict[str, Any]:
+    async def result(room: int, wait: float = 0.0) -> dict[str, object]:
         await asyncio.to_thread(
             rooms.wait, room, lambda item: item.result is not None, min(wait, 30.0)
         )
-        return rooms.snapshot(room)
+        return rooms.snapshot(room).to_json()
 
     @app.post("/bootstrap/fail")
     async def fail(request: HttpRequest) -> dict[str, bool]:
@@ -404,7 +406,7 @@ def add_embedding_routes(app: FastAPI, embeddings: EmbeddingReceiver) -> None:
     (refusals are BootstrapErrors, answered by the app's handler)."""
 
     @app.post("/bootstrap/embedding/alloc")
-    async def alloc(request: HttpRequest) -> dict[str, Any]:
+    async def alloc(request: HttpRequest) -> dict[str, str | int]:
         try:
             body = await json_object(request)
             room, rows = json_int(body, "room"), json_int(body, "num_tokens")

@@ -38,13 +38,13 @@ def test_a_room_is_quiet_once_closed_and_its_senders_stopped() -> None:
     rooms.start(1)  # the prefill request arrived
     assert rooms.hand(1) is None  # and its prompt went to the senders: they may write
     assert rooms.fence({1: "decode: aborted"}, 0.05) == []  # closed, senders still running
-    assert rooms.snapshot(1)["closed"] == "failed: decode: aborted"
+    assert rooms.snapshot(1).closed == "failed: decode: aborted"
     waker = threading.Timer(0.1, rooms.stopped, (1,))
     waker.start()
     started = time.monotonic()
     assert rooms.fence({1: "decode: again"}, 5.0) == [1]  # woken by the stop
     assert time.monotonic() - started < 2.0
-    assert rooms.snapshot(1)["closed"] == "failed: decode: aborted"  # the first reason stays
+    assert rooms.snapshot(1).closed == "failed: decode: aborted"  # the first reason stays
 
 
 def test_a_room_never_handed_to_a_writer_is_quiet_at_once_and_never_will_be() -> None:

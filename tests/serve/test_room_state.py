@@ -7,14 +7,16 @@ the real thing (gloo) in prefill TP2 topologies.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import threading
 import time
 
 import pytest
+from fastapi.testclient import TestClient
 
-from pdctl.serve.bootstrap import Rooms
+from pdctl.serve.bootstrap import FirstToken, Rooms, bootstrap_app
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher, RoomSnapshot, RoomWait
 from pdctl.staging.doorbell import BoxInfo, Ticket
@@ -94,26 +96,67 @@ def test_a_mirror_sees_registrations_offers_and_the_end_of_a_room() -> None:
     assert mirror.wait_for(8, RoomWait(ranks=1), 5.0).registrations == {}  # at once after the end
 
 
-def test_a_snapshot_goes_out_as_the_registrys_own_json_byte_for_byte() -> None:
-    """Typed on arrival (rank 0's registry JSON, or the JSON a mirror receives), a
-    snapshot dumps to the very bytes the registry's own snapshot does."""
-    rooms = Rooms(LAYOUT, 30.0)
+def busy_room(rooms: Rooms) -> list[proto.Registration]:
+    """Room 9 started, registered by rank 1 (staged, two segments offered) and then rank
+    0 (direct, with doorbells): the registrations as they came."""
     rooms.start(9)
-    rooms.register(registration(9, 1))  # rank 1 first: the order of arrival is kept
+    staged = registration(9, 1)
+    rooms.register(staged)  # rank 1 first: the order of arrival is kept
     direct = registration(9, 0)
     direct.mode, direct.pages, direct.kv_bases = "direct", [4, 2], [[4096, 8192], [12288, 16384]]
     direct.bell = proto.BellOffer(BoxInfo("/dev/shm/box", 77, 8, 64), [Ticket(3, 5)])
     rooms.register(direct)
     rooms.add_segments(9, 1, [segment(0), segment(1)])
+    return [staged, direct]
+
+
+def test_a_snapshot_crosses_the_tp_group_whole() -> None:
+    """The registry's snapshot, dumped as rank 0 publishes it and parsed as a mirror
+    does, is the same snapshot and dumps to the same bytes."""
+    rooms = Rooms(LAYOUT, 30.0)
+    busy_room(rooms)
     registry = rooms.snapshot(9)
-    typed = RoomSnapshot.of(registry)
-    assert list(typed.registrations) == [1, 0] and typed.registrations[0].bell is not None
-    assert json.dumps(typed.to_json()) == json.dumps(registry)
-    wire = RoomSnapshot.from_json(json.loads(json.dumps(registry)))  # as a mirror has it
-    assert wire == typed and json.dumps(wire.to_json()) == json.dumps(registry)
-    assert RoomSnapshot.of(typed) is typed
+    assert list(registry.registrations) == [1, 0] and registry.registrations[0].bell is not None
+    wire = RoomSnapshot.from_json(json.loads(json.dumps(registry.to_json())))
+    assert wire == registry and json.dumps(wire.to_json()) == json.dumps(registry.to_json())
     empty = RoomSnapshot.empty(9)
     assert RoomSnapshot.from_json(json.loads(json.dumps(empty.to_json()))) == empty
+
+
+def test_the_bootstrap_endpoint_answers_a_room_as_it_always_did() -> None:
+    """The wire format: the fields in this order, decode ranks as text keys in the order
+    they registered, each registration every field of it (`dataclasses.asdict`), prefill's
+    first token as it was set (its pairs as lists); what a mirror gets is the same JSON."""
+    rooms = Rooms(LAYOUT, 30.0)
+    staged, direct = busy_room(rooms)
+    first = FirstToken(token=5, logprob=-0.25, top=[(5, -0.25)], logit=None, cached_tokens=16)
+    rooms.set_result(9, first)
+    expected = {
+        "room": 9,
+        "started": True,
+        "closed": None,
+        "result": first,
+        "registrations": {"1": dataclasses.asdict(staged), "0": dataclasses.asdict(direct)},
+    }
+    client = TestClient(bootstrap_app(rooms, b"s", {"tp": 1}))
+    auth = {"authorization": "Bearer s"}
+    for path in ("/bootstrap/room/9", "/bootstrap/result/9"):
+        answer = client.get(path, headers=auth)
+        assert answer.content == json.dumps(expected, separators=(",", ":")).encode()
+    assert json.dumps(rooms.snapshot(9).to_json()) == json.dumps(expected)
+    rooms.close(9, "finished")
+    closed = {**expected, "closed": "finished", "registrations": {}}
+    answer = client.get("/bootstrap/room/9", headers=auth)
+    assert answer.content == json.dumps(closed, separators=(",", ":")).encode()
+
+
+def test_a_snapshot_keeps_the_segments_offered_when_it_was_taken() -> None:
+    rooms = Rooms(LAYOUT, 30.0)
+    busy_room(rooms)
+    before = rooms.snapshot(9)
+    rooms.add_segments(9, 1, [segment(2)])
+    assert [s.index for s in before.registrations[1].segments] == [0, 1]
+    assert [s.index for s in rooms.snapshot(9).registrations[1].segments] == [0, 1, 2]
 
 
 @pytest.mark.parametrize(
@@ -181,8 +224,8 @@ def test_rooms_are_purged_once_a_tick_not_at_every_lookup(monkeypatch) -> None:
         rooms.snapshot(5000)
     assert len(walks) <= 1
     clock[0] += bootstrap.PURGE_EVERY_S + 31  # past the expiry: the unstarted room expires
-    assert rooms.snapshot(6000)["closed"] == "expired: no prefill request for this room"
-    assert rooms.snapshot(5000)["closed"] is None  # started: its own timeouts end it
+    assert rooms.snapshot(6000).closed == "expired: no prefill request for this room"
+    assert rooms.snapshot(5000).closed is None  # started: its own timeouts end it
     clock[0] += bootstrap.TOMBSTONE_S  # the tombstones go, at the next tick
     rooms.snapshot(5000)
     assert rooms.open_rooms() == 1 and len(rooms._rooms) <= 3

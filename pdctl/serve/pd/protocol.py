@@ -96,7 +96,7 @@ class Registration:
     segments: list[SegmentRegion] = field(default_factory=list)
     bell: BellOffer | None = None  # direct, same host: ring these instead of notifying
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:  # only ever serialized
         return asdict(self)
 
     @staticmethod
@@ -185,7 +185,7 @@ MAX_TEXT = 1 << 16
 MAX_LIST = 1 << 20
 
 
-def json_int(data: dict[str, Any], name: str) -> int:
+def json_int(data: Mapping[str, object], name: str) -> int:
     value = data.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
         raise ValueError(f"{name} must be a non-negative integer")
@@ -214,7 +214,7 @@ def segment_from_json(data: Any) -> SegmentRegion:
         json_int(data, name)
     mark = data["watermark"]
     if (
-        not isinstance(mark, (list, tuple))  # a tuple when the snapshot stayed in-process
+        not isinstance(mark, list)
         or len(mark) != 2
         or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in mark)
     ):

@@ -8,12 +8,12 @@ the latest snapshot of each room (`RoomMirror`) and wait on it exactly as rank 0
 senders wait on the registry itself (`Rooms.wait_for`): no HTTP polling of their
 own rank 0, and a change reaches them within one broadcast.
 
-A snapshot (`RoomSnapshot`) is typed once where it arrives: the room, whether it
-started, how it closed, prefill's result, and every decode rank's registration with
-its segments; on the wire it is the registry's own JSON (`to_json`, byte for byte
-what `Rooms.snapshot` gives). Changes to one room that pile up while a broadcast is
-in flight go out as one snapshot (the latest), so a burst of segment offers costs
-one message.
+A snapshot (`RoomSnapshot`) is typed once: the room, whether it started, how it
+closed, prefill's result, and every decode rank's registration with its segments.
+Rank 0's registry makes it (`Rooms.snapshot`), a mirror parses it from rank 0's JSON
+(`from_json`); on the wire, here and on the bootstrap endpoint, it is `to_json`.
+Changes to one room that pile up while a broadcast is in flight go out as one
+snapshot (the latest), so a burst of segment offers costs one message.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from pdctl.serve.pd import protocol as proto
 
@@ -40,8 +40,7 @@ class Channel(Protocol):
 
 
 class SnapshotSource(Protocol):
-    # the registry's JSON (`Rooms.snapshot`) is typed here, as it goes out
-    def snapshot(self, room: int) -> RoomSnapshot | dict[str, Any]: ...
+    def snapshot(self, room: int) -> RoomSnapshot: ...  # `Rooms.snapshot`
 
 
 class RoomPublisher:
@@ -70,7 +69,7 @@ class RoomPublisher:
                     break
                 room, _ = self._pending.popitem(last=False)
             try:
-                snapshot = RoomSnapshot.of(self.rooms.snapshot(room))
+                snapshot = self.rooms.snapshot(room)
                 self.channel.publish(json.dumps(snapshot.to_json()).encode())
             except RuntimeError as exc:  # a rank died: the launcher sees it and stops us
                 log.warning("room state: cannot reach the other prefill ranks: %s", exc)
@@ -180,22 +179,19 @@ class RoomWait:
 
 @dataclass(frozen=True)
 class RoomSnapshot:
-    """One room as prefill's registry has it, typed once where it arrives."""
+    """One room as prefill's registry has it: made by the registry, or parsed from its
+    JSON where it arrives; either way it owns its registrations (the registry's go on
+    growing segments)."""
 
     room: int
     started: bool  # prefill's request for it arrived
     closed: str | None  # how it closed (None: open)
-    result: dict[str, object] | None  # prefill's first token, for decode (carried here)
+    result: Mapping[str, object] | None  # prefill's first token, for decode (carried here)
     registrations: Mapping[int, proto.Registration]  # decode rank -> its, as they came
 
     @staticmethod
     def empty(room: int) -> RoomSnapshot:
         return RoomSnapshot(room, False, None, None, {})
-
-    @staticmethod
-    def of(value: RoomSnapshot | dict[str, Any]) -> RoomSnapshot:
-        """`value` typed: the registry's JSON parsed, a snapshot as it is."""
-        return value if isinstance(value, RoomSnapshot) else RoomSnapshot.from_json(value)
 
     @staticmethod
     def from_json(data: object) -> RoomSnapshot:
@@ -217,7 +213,7 @@ class RoomSnapshot:
         )
 
     def to_json(self) -> dict[str, object]:
-        """The registry's JSON of the room (`Rooms.snapshot`), byte for byte once dumped."""
+        """The room's JSON: what the bootstrap endpoint answers and rank 0 publishes."""
         return {
             "room": self.room,
             "started": self.started,

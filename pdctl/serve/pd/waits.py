@@ -1,9 +1,9 @@
 """A prefill sender's waits on a room: decode's registrations, its ring regions, the end.
 
 The room's state comes from a `Snapshot` function (rank 0: the bootstrap registry;
-ranks above 0: the TP group's mirror, `room_state`), typed once as it arrives
-(`RoomSnapshot`). Every wait is bounded (by the bootstrap or the transfer timeout) and
-a room that closed ends it at once with `SendFailed`, saying how it closed.
+ranks above 0: the TP group's mirror, `room_state`), as a `RoomSnapshot`. Every wait
+is bounded (by the bootstrap or the transfer timeout) and a room that closed ends it
+at once with `SendFailed`, saying how it closed.
 
 What this does not know: how the room's KV is written.
 """
@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.room_state import RoomSnapshot, RoomWait
 
-# (room, wait seconds, what to wait for) -> the room's state (the registry's JSON on
-# rank 0, typed here; a snapshot from the mirror)
-Snapshot = Callable[[int, float, RoomWait], RoomSnapshot | dict[str, Any]]
+# (room, wait seconds, what to wait for) -> the room's state (rank 0: the registry's
+# snapshot; ranks above 0: the mirror's)
+Snapshot = Callable[[int, float, RoomWait], RoomSnapshot]
 POLL_S = 5.0  # one look at the room waits at most this long
 ANY_RANK = RoomWait.registered()
 
@@ -35,7 +34,7 @@ class RoomWaits:
 
     def state(self, room: int, wait: float, condition: RoomWait) -> RoomSnapshot:
         """The room once `condition` holds, it closed, or `wait` seconds passed."""
-        return RoomSnapshot.of(self.snapshot(room, wait, condition))
+        return self.snapshot(room, wait, condition)
 
     def now(self, room: int) -> RoomSnapshot:
         """The room as it is (any decode rank registered or not)."""

@@ -41,7 +41,7 @@ from pdctl.serve.pd.reports import (
     ReportSender,
     combine,
 )
-from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher, RoomWait
+from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher, RoomSnapshot, RoomWait
 from pdctl.serve.pd.sender import KVSender, Report, Snapshot
 from pdctl.serve.roles.common import build_engine, serve, server_info
 from pdctl.serve.runtime import Rank
@@ -94,7 +94,7 @@ class PrefillHooks:
         self.sending: set[int] = set()  # rooms handed to the senders, until their request ends
         self.fenced: set[int] = set()  # rooms whose aborted request's pages wait for the senders
 
-    def _snapshot(self, room: int, wait: float, condition: RoomWait) -> dict[str, Any]:
+    def _snapshot(self, room: int, wait: float, condition: RoomWait) -> RoomSnapshot:
         return self.rooms.wait_for(room, condition, wait)
 
     def prepare(self, request: Request, pd: dict[str, Any]) -> None:
