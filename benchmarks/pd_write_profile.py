@@ -30,8 +30,8 @@ import torch
 
 from pdctl.staging import device as dev
 from pdctl.staging.descriptors import KVRows, direct_descriptors, kv_bases
-from pdctl.staging.kernels import PendingDigests, start_page_digests
-from pdctl.staging.kernels.page_write import PeerPages, start_page_write
+from pdctl.staging.kernels import PendingDigests, start_slice_digests
+from pdctl.staging.kernels.page_write import PeerPages, start_slice_write
 from pdctl.staging.layout import HeadSlice
 from pdctl.staging.mapped import MappedPools
 from pdctl.staging.transport import TransportConfig, create_transport
@@ -130,6 +130,7 @@ def main() -> None:
     nbytes = 2 * LAYERS * args.tokens * HEADS * HEAD_DIM * 2
     piece = HeadSlice(0, 0, 0, HEADS)
     rows = KVRows(PAGE, HEAD_DIM * 2, HEADS, HEADS, piece)
+    every_head, whole = piece.source(PAGE), [(0, num_pages)]  # one segment of every page
     sync = (lambda: dev.synchronize(device)) if device.type != "cpu" else (lambda: None)
     with PeerProcess("tcp", 2 * LAYERS * buffer_bytes, device=args.device, secret=SECRET) as peer:
         writer = create_transport("tcp", TransportConfig("profile", secret=SECRET))
@@ -146,10 +147,7 @@ def main() -> None:
             src, dst, lengths = descriptors()
 
             def start_digests() -> PendingDigests:  # as the sender starts them
-                return start_page_digests(
-                    k_buffers, v_buffers, src_pages, [(0, num_pages)],
-                    head_start=0, num_heads=HEADS, page_size=PAGE,
-                )  # fmt: skip
+                return start_slice_digests(k_buffers, v_buffers, src_pages, whole, every_head)
 
             def digests() -> object:
                 return start_digests().result()
@@ -169,10 +167,8 @@ def main() -> None:
                 buffers = mapped.buffers(connection, dst_bases, HEADS, HEAD_DIM, k_buffers[0])
                 if buffers is None:
                     return None
-                return start_page_write(
-                    k_buffers, v_buffers, src_pages, PeerPages(buffers, dst_pages, 0),
-                    [(0, num_pages)], head_start=0, num_heads=HEADS, page_size=PAGE,
-                )  # fmt: skip
+                into = PeerPages(buffers, dst_pages, 0)
+                return start_slice_write(k_buffers, v_buffers, src_pages, into, whole, every_head)
 
             def mapped_send() -> None:  # the whole of KVSender._mapped_write
                 pending = start_mapped()

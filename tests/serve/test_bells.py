@@ -12,7 +12,7 @@ from pdctl.serve.pd import bells as pd_bells
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.bells import Bells, Ringers
 from pdctl.staging.doorbell import DIGESTS, SUMS, BellBox
-from pdctl.staging.kernels import page_digests
+from pdctl.staging.kernels import slice_digests
 from pdctl.staging.layout import StagingLayout, head_slices, plan_segments
 from pdctl.staging.transport import TransportConfig, create_transport
 
@@ -54,10 +54,7 @@ def test_a_rings_sums_become_the_digests_a_notification_carries(decode_rank: int
         sums = _sums(kv, pages, plan, (piece.src_head_start, piece.num_heads))
         got = bells.digests(SUMS, sums, piece, plan)
         segments = [(s.page_start, s.num_pages) for s in plan]
-        expected = page_digests(
-            kv.k_buffers, kv.v_buffers, pages, segments, head_start=piece.src_head_start,
-            num_heads=piece.num_heads, page_size=4,
-        )  # fmt: skip
+        expected = slice_digests(kv.k_buffers, kv.v_buffers, pages, segments, piece.source(4))
         assert got == [d for part in expected for d in part]
         assert bells.digests(DIGESTS, np.array([-1, 5]), piece, plan) == [2**64 - 1, 5]
         with pytest.raises(ValueError, match="sums for"):

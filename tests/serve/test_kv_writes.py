@@ -24,7 +24,7 @@ from pdctl.serve.pd.waits import RoomWaits
 from pdctl.serve.pd.write_faults import CorruptDescribed, CorruptStaged, LandLate, RoomWays
 from pdctl.serve.pd.writes import KvWrite, Link, RoomWrite, SendClock
 from pdctl.staging.digest import block_digests
-from pdctl.staging.kernels import page_digests
+from pdctl.staging.kernels import KVSlice, slice_digests
 from pdctl.staging.layout import StagingLayout, head_slices
 from pdctl.staging.transport import Peer
 from pdctl.staging.transport.values import notice_bytes
@@ -145,15 +145,8 @@ def test_a_direct_write_lands_the_pages_and_tells_decode_their_digests(maps: boo
     assert _landed_exactly(prefill, decode)
     # the mapped write launches, then notifies; by descriptors the notice rides the write
     assert transport.events == (["notice"] if maps else [f"write {written.nbytes}", "notice"])
-    expected = page_digests(
-        prefill.k_buffers,
-        prefill.v_buffers,
-        PAGES,
-        [(0, 2), (2, 1)],
-        head_start=0,
-        num_heads=2,
-        page_size=4,
-    )
+    segments, every_head = [(0, 2), (2, 1)], KVSlice(0, 2, 4)
+    expected = slice_digests(prefill.k_buffers, prefill.v_buffers, PAGES, segments, every_head)
     assert proto.parse_notify(transport.notices[0]).digests == [
         d for part in expected for d in part
     ]

@@ -12,7 +12,7 @@ from pdctl.serve.engine.kv_pool import KVPool
 from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.mapped_write import MappedWriter, RoomWrite, StartedWrite
 from pdctl.staging.doorbell import DIGESTS, BellBox
-from pdctl.staging.kernels import page_digests
+from pdctl.staging.kernels import KVSlice, slice_digests
 from pdctl.staging.layout import StagingLayout, head_slices
 from pdctl.staging.transport import Peer
 
@@ -70,14 +70,25 @@ def _mapped_room(bell: bool, observer: Any = None):  # type: ignore[no-untyped-d
     )
     layout = StagingLayout(2, 8, 4, head_slices(2, 1, 1, 0))
     box = BellBox(4, 64) if bell else None
+    pairs = zip(decode.k_buffers, decode.v_buffers, strict=True)
     registration = proto.Registration(
-        room=5, decode_rank=0, decode_tp=1, decode_name="decode", transport="", num_tokens=12,
-        page_size=4, mode="direct", kv_heads=2, head_dim=8, num_layers=2, elem_bytes=4,
-        segment_bytes=1 << 20, pages=[9, 3, 6],
-        kv_bases=[[k.data_ptr(), v.data_ptr()] for k, v in zip(decode.k_buffers,
-                                                              decode.v_buffers, strict=True)],
+        room=5,
+        decode_rank=0,
+        decode_tp=1,
+        decode_name="decode",
+        transport="",
+        num_tokens=12,
+        page_size=4,
+        mode="direct",
+        kv_heads=2,
+        head_dim=8,
+        num_layers=2,
+        elem_bytes=4,
+        segment_bytes=1 << 20,
+        pages=[9, 3, 6],
+        kv_bases=[[k.data_ptr(), v.data_ptr()] for k, v in pairs],
         bell=None if box is None else proto.BellOffer(box.info, [box.ticket()]),  # type: ignore[list-item]
-    )  # fmt: skip
+    )
     peer = Peer("decode", "local", [])
     return prefill, decode, transport, writer, layout, registration, peer, box
 
@@ -97,10 +108,8 @@ def test_an_armed_write_lands_when_fired_and_decode_is_told(bell: bool) -> None:
             rows, into = slice(source * 4, source * 4 + 4), slice(target * 4, target * 4 + 4)
             assert torch.equal(decode.k_buffers[layer][into], prefill.k_buffers[layer][rows])
             assert torch.equal(decode.v_buffers[layer][into], prefill.v_buffers[layer][rows])
-    expected = page_digests(
-        prefill.k_buffers, prefill.v_buffers, pages, [(0, 3)], head_start=0, num_heads=2,
-        page_size=4,
-    )[0]  # fmt: skip
+    every_head = KVSlice(0, 2, 4)
+    expected = slice_digests(prefill.k_buffers, prefill.v_buffers, pages, [(0, 3)], every_head)[0]
     if box is not None:  # rung from the host (the torch path wrote): decode reads the digests
         assert registration.bell is not None
         rung = box.wait(registration.bell.tickets[0], 1.0)

@@ -90,26 +90,26 @@ def test_page_digests_in_place_equal_gather_then_digest(dtype, page_size, split,
 
 
 def test_page_digests_refuse_a_segment_outside_the_page_list() -> None:
-    from pdctl.staging.kernels import page_digests
+    from pdctl.staging.kernels import KVSlice, slice_digests
     from tests.staging.kv_factory import random_kv
 
     k, v = random_kv(1, 8, 2, 16, torch.float32, 1, "cpu")
     with pytest.raises(ValueError, match=r"segment of pages \[2, 5\) is outside the 4 pages"):
-        page_digests(k, v, [0, 1, 2, 3], [(2, 3)], head_start=0, num_heads=2, page_size=1)
+        slice_digests(k, v, [0, 1, 2, 3], [(2, 3)], KVSlice(0, 2, 1))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
 def test_page_digests_on_the_device_equal_the_host_ones() -> None:
-    from pdctl.staging.kernels import page_digests
+    from pdctl.staging.kernels import KVSlice, slice_digests
     from tests.staging.kv_factory import random_kv, random_pages
 
     k, v = random_kv(16, 64 * 16, 8, 128, torch.bfloat16, 5, "cpu")
     pages = random_pages(64, 40, 5)
-    segments = [(0, 16), (16, 16), (32, 8)]
-    host = page_digests(k, v, pages, segments, head_start=4, num_heads=4, page_size=16)
+    segments, heads = [(0, 16), (16, 16), (32, 8)], KVSlice(4, 4, 16)
+    host = slice_digests(k, v, pages, segments, heads)
     kc, vc = [t.cuda() for t in k], [t.cuda() for t in v]
-    on_device = page_digests(kc, vc, pages, segments, head_start=4, num_heads=4, page_size=16)
+    on_device = slice_digests(kc, vc, pages, segments, heads)
     assert on_device == host  # the device default: one Triton launch, pages read in place
 
 

@@ -9,13 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdctl.staging.kernels import KVSlice, page_digests, slice_digests
-from pdctl.staging.kernels.page_write import (
-    PeerPages,
-    start_page_write,
-    start_slice_write,
-    write_pages_reference,
-)
+from pdctl.staging.kernels import KVSlice, slice_digests
+from pdctl.staging.kernels.page_write import PeerPages, start_slice_write, write_pages_reference
 from tests.staging.kv_factory import as_bits, random_kv, random_pages
 
 CUDA = torch.cuda.is_available()
@@ -223,21 +218,3 @@ def test_writes_of_other_lengths_in_one_bucket_replay_one_graph() -> None:
             assert torch.equal(as_bits(landed.cpu()[rows, 2:6]), as_bits(source[src_rows, 2:6]))
     assert WRITES.captures - captures <= 2  # one bucket per segment count
     assert WRITES.replays - replays >= 4
-
-
-def test_the_keyword_forms_are_the_slice_forms() -> None:
-    """`start_page_write` and `page_digests` (the forms callers outside staging use) give
-    what `start_slice_write` and `slice_digests` give for the same slice."""
-    k, v = random_kv(2, 16, 4, 16, torch.bfloat16, 6, "cpu")
-    by_slice, by_keywords = (_target(2, 16, 4, 2, 16, torch.bfloat16, "cpu") for _ in range(2))
-    segments, heads = [(0, 1), (1, 2)], KVSlice(1, 2, 4)
-    pages, peer_pages = [0, 1, 3], [2, 3, 0]
-    expected = start_slice_write(k, v, pages, PeerPages(by_slice, peer_pages, 0), segments, heads)
-    peer = PeerPages(by_keywords, peer_pages, 0)
-    got = start_page_write(k, v, pages, peer, segments, head_start=1, num_heads=2, page_size=4)
-    assert got.result() == expected.result()
-    assert all(
-        torch.equal(as_bits(a), as_bits(b)) for a, b in zip(by_slice, by_keywords, strict=True)
-    )
-    by_keyword = page_digests(k, v, pages, segments, head_start=1, num_heads=2, page_size=4)
-    assert by_keyword == slice_digests(k, v, pages, segments, heads)

@@ -7,9 +7,8 @@ region with several writers' blocks. The device comes from the KV buffers; stagi
 on another device is an error. Arguments are validated here, then a backend
 (`triton` on CUDA and XPU, `torch` elsewhere) does the copy on integer views, so
 results are bit-identical across backends. `slice_digests` digests a slice where it
-lies in the pages. `gather_all_layers_to_staging`, `page_digests` and
-`start_page_digests` take the slice as keywords (the form callers outside staging
-use).
+lies in the pages. `gather_all_layers_to_staging` takes the slice as keywords (the
+upstream seed's public form, kept as it was).
 
 Shapes:
     k_buffers[l], v_buffers[l]   [pool_tokens, num_kv_heads, head_dim], one per layer
@@ -283,23 +282,6 @@ def slice_digests(
     ).result()
 
 
-def page_digests(
-    k_buffers: Sequence[torch.Tensor],
-    v_buffers: Sequence[torch.Tensor],
-    page_indices: PageIndices,
-    segments: Sequence[tuple[int, int]],
-    *,
-    head_start: int,
-    num_heads: int,
-    page_size: int,
-    backend: str | None = None,
-) -> list[list[int]]:
-    """`slice_digests` with the slice given by keywords (the form callers outside
-    staging use): heads [head_start, +num_heads) in pages of `page_size` tokens."""
-    kv_slice = KVSlice(head_start, num_heads, page_size)
-    return slice_digests(k_buffers, v_buffers, page_indices, segments, kv_slice, backend)
-
-
 def start_slice_digests(
     k_buffers: Sequence[torch.Tensor],
     v_buffers: Sequence[torch.Tensor],
@@ -339,23 +321,6 @@ def start_slice_digests(
     return PendingDigests(None, [], 2 * info.num_layers, ready=digests)
 
 
-def start_page_digests(
-    k_buffers: Sequence[torch.Tensor],
-    v_buffers: Sequence[torch.Tensor],
-    page_indices: PageIndices,
-    segments: Sequence[tuple[int, int]],
-    *,
-    head_start: int,
-    num_heads: int,
-    page_size: int,
-    backend: str | None = None,
-) -> PendingDigests:
-    """`start_slice_digests` with the slice given by keywords (the form callers outside
-    staging use): heads [head_start, +num_heads) in pages of `page_size` tokens."""
-    kv_slice = KVSlice(head_start, num_heads, page_size)
-    return start_slice_digests(k_buffers, v_buffers, page_indices, segments, kv_slice, backend)
-
-
 def _digest_scratch(device: torch.device, nbytes: int) -> torch.Tensor:
     """`nbytes` of this thread's scratch on `device`, grown when too small (its pages
     stay touched: a fresh allocation per segment would fault them in every time)."""
@@ -378,12 +343,10 @@ __all__ = [
     "describe_kv",
     "gather_all_layers_to_staging",
     "gather_slice",
-    "page_digests",
     "prepare_kv",
     "scatter_slice",
     "scatter_staging_to_kv",
     "slice_digests",
-    "start_page_digests",
     "start_slice_digests",
     "upload_pages",
 ]

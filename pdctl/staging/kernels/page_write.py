@@ -4,7 +4,7 @@ Between two processes of one host whose transport maps the peer's device memory
 here (`Transport.mapped_view`), a request's KV need not go through descriptors and
 a copy followed by a second pass that digests the source: one launch reads each
 word of the slice once, stores it at the peer's row and adds it to the segment's
-digest, the value `page_digests` gives for the source and the peer computes over
+digest, the value `slice_digests` gives for the source and the peer computes over
 the pages it received. With Triton that is the page-digest kernel with its store
 on (`digests.launch_page_digest_sums(target=...)`); elsewhere the torch reference
 copies, then digests. Both leave the same bytes and the same digests.
@@ -21,7 +21,7 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ParamSpec
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,8 +36,6 @@ from pdctl.staging.kernels.kvset import KVInfo
 from pdctl.staging.kernels.pages import PageIndices, page_array
 from pdctl.staging.kernels.write_slots import Bucket, capture_writes, into_slot, join_tables
 from pdctl.staging.layout import KVSlice
-
-P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -186,40 +184,22 @@ def arm_slice_write(
     return reference
 
 
-def arm_page_write(
+def start_slice_write(
     k_buffers: Sequence[torch.Tensor],
     v_buffers: Sequence[torch.Tensor],
     page_indices: PageIndices,
     target: PeerPages,
     segments: Sequence[tuple[int, int]],
+    kv_slice: KVSlice,
     *,
-    head_start: int,
-    num_heads: int,
-    page_size: int,
     backend: str | None = None,
     bell: tuple[int, int] | None = None,
-) -> Callable[[], PendingDigests]:
-    """`arm_slice_write` with the slice given by keywords (the form callers outside
-    staging use): heads [head_start, +num_heads) in pages of `page_size` tokens."""
-    kv_slice = KVSlice(head_start, num_heads, page_size)
-    return arm_slice_write(
+) -> PendingDigests:
+    """`arm_slice_write`, launched at once on the current stream."""
+    armed = arm_slice_write(
         k_buffers, v_buffers, page_indices, target, segments, kv_slice, backend=backend, bell=bell
     )
-
-
-def _launched_now(
-    arm: Callable[P, Callable[[], PendingDigests]],
-) -> Callable[P, PendingDigests]:
-    @functools.wraps(arm)
-    def start(*args: P.args, **kwargs: P.kwargs) -> PendingDigests:
-        return arm(*args, **kwargs)()
-
-    start.__doc__ = f"`{arm.__name__}`, launched at once on the current stream."
-    return start
-
-
-start_slice_write = _launched_now(arm_slice_write)
-start_page_write = _launched_now(arm_page_write)
+    return armed()
 
 
 def _arm(
