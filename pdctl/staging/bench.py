@@ -12,8 +12,8 @@ the same machine conditions; the median of the repeats is reported. On the CPU
 each timed operation is preceded by an untimed run of itself, so none pays for the
 one before it: a copy leaves tens of megabytes of written lines in the cache, and
 whichever operation came next paid for writing them back (the gather, always after
-the copy, measured 0.53-0.78 of it that way against 0.84-1.02 settled on 28 x 2 x 128;
-docs/benchmarks.md, session 17).
+the copy, measured 0.53-0.78 of it that way against 0.84-1.02 settled on 28 x 2 x 128
+on the 2-core development machine).
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@
  *
  * Five CUDA driver calls that Python made one by one through ctypes, each with its
  * own conversions and status check: on the H200's host those cost 20-27 us of a
- * 28 x 2 x 128 scatter's 75-85 (docs/benchmarks.md, session 17). The entry points
- * come from the caller (libcuda's, looked up by ctypes), so this file links nothing
- * of CUDA; a test passes stand-ins. Returns 0, or the failing step's number times
+ * 28 x 2 x 128 scatter's 75-85 (benchmarks/staging_replay_ab.py times both ways).
+ * The entry points come from the caller (libcuda's, looked up by ctypes), so this
+ * file links nothing of CUDA; a test passes stand-ins. Returns 0, or the failing step's number times
  * 1000 plus the driver's error (below 1000 for every CUDA error the driver defines);
  * nothing after a failing step runs.
  *
@@ -20,7 +20,7 @@
  * pdctl/staging/kernels/native_rows.c, handed over as an address like the driver's),
  * then the five calls. A 28 x 2 x 128 scatter's host work was the check (28-34 us on
  * the H200's host), the replay (one C call) and the Python between them, against 62 us
- * of the device's (docs/benchmarks.md, sessions 17 and 18). */
+ * of the device's (benchmarks/staging_e2e_profile.py). */
 #include <stddef.h>
 #include <stdint.h>
 

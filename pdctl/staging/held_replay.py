@@ -7,7 +7,7 @@ launching stream made to wait for it, the graph launched, the slot's event recor
 Made one by one from Python through ctypes, each pays its argument conversions and a
 status check in Python: 20-27 us a call on the H200's host, where the device needs
 about 62 us for a 28 x 2 x 128 scatter and the host 75-85 us to issue one
-(docs/benchmarks.md, session 17). Here the five run in one ctypes call to a function
+(`benchmarks/staging_e2e_profile.py`). Here the five run in one ctypes call to a function
 built from `held_replay.c` with the host's compiler, as the CPU staging copy is
 (`kernels.native.build`); the entry points are libcuda's, handed over as addresses.
 

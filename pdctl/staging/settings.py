@@ -98,7 +98,7 @@ _REASONS = {
         "a repeated checked call replayed from a CUDA graph: a lookup, the page "
         "check and one launch instead of tens of us of host work; the host-bound 28 x 2 x "
         "128 page-1 gather went from 0.39 to 0.73 of a device copy on the H200 "
-        "(docs/benchmarks.md, issue 19); off: every call eager "
+        "(`pdctl bench staging`); off: every call eager "
         "(`benchmarks/pd_write_profile.py` times both)"
     ),
     "upload_ahead": (

@@ -216,9 +216,9 @@ def _uploader(pinned: torch.Tensor, target: torch.Tensor, kernel: bool) -> Calla
     The run before the capture is on the caller's stream, behind the eager call that may
     still be running there: `target` was just allocated on that stream, possibly in
     memory the eager call's temporaries freed while its kernels still read them. Run on
-    a side stream (until session 15) it could overwrite them under the running call,
-    which would then read garbage ids: the illegal-address faults seen in 2 of 9 staging
-    bench runs with the kernel on, and none in 20 since (docs/benchmarks.md, session 15)."""
+    a side stream it could overwrite them under the running call, which would then read
+    garbage ids: illegal-address faults in 2 of 9 `pdctl bench staging` runs on an H200
+    with the kernel on that way, none in 20 on the caller's stream."""
     if not kernel:
         return lambda: target.copy_(pinned, non_blocking=True)
     try:

@@ -10,9 +10,10 @@
  * fetches several rows at once instead of waiting for each in turn. The prefetch
  * asks for the outer cache (locality 1: x86's prefetcht2), which can have many more
  * misses in flight than the first level; prefetched into the first level, rows came
- * at two thirds of that rate on the 2-core development machine (docs/benchmarks.md,
- * session 17). A large copy (STREAM_BYTES or more) writes with streaming stores where
- * the chunk and its destination allow (x86: 16-byte multiples at 16-byte addresses):
+ * at two thirds of that rate on the 2-core development machine (a C microbenchmark of
+ * the CPU bench's 28 x 2 x 128 gather). A large copy (STREAM_BYTES or more) writes
+ * with streaming stores where the chunk and its destination allow (x86: 16-byte
+ * multiples at 16-byte addresses):
  * a store that misses the cache otherwise first reads the line it overwrites, a third
  * of the traffic of a copy; the bytes written are not read back before the copy ends.
  * A streamed scatter prefetches nothing: its rows are only written, and a line
@@ -112,7 +113,7 @@ static void prefetch_row(const uint8_t *row, int64_t chunk, int for_write) {
  * so each copy and prefetch loop unrolls; the part is read into locals, since the
  * copy's stores go through byte pointers and could otherwise alias it, making the
  * compiler reload every field after each store (together 1.2-1.5x on the 28 x 2 x 128
- * gather, benchmarks/native_rows_ab.py; docs/benchmarks.md, session 17). */
+ * gather on the 2-core development machine, benchmarks/native_rows_ab.py). */
 static inline __attribute__((always_inline)) void copy_items(const part_t *part,
                                                              const int64_t chunk) {
     const part_t p = *part;

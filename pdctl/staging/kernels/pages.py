@@ -140,8 +140,8 @@ def usual_ids(
     dimension is the pool's tokens. None for anything else (the full path).
 
     Every tensor property read costs about a microsecond on a slow host, and this
-    runs on every replay (the H200 host spent 31-35 us a call on the check of 8,192
-    ids; docs/benchmarks.md, session 17)."""
+    runs on every replay (an H200's host spent 31-35 us a call on the check of 8,192
+    ids; `benchmarks/staging_e2e_profile.py` times a call's host work)."""
     if (
         type(page_indices) is torch.Tensor
         and page_indices.dtype is torch.int64

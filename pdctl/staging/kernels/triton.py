@@ -53,8 +53,8 @@ from pdctl.staging.descriptors import pointer_table
 from pdctl.staging.kernels.base import BufferCache, KernelBackend, KVColumns
 from pdctl.staging.kernels.launch import DirectLauncher, current_device
 
-# The best configuration measured on an H200 (16 KiB tiles, 8 warps, no walks:
-# benchmarks/staging_kernel_sweep.py, 2026-12-01); the sweep times the others against it.
+# The best configuration measured on an H200 (16 KiB tiles, 8 warps, no walks);
+# benchmarks/staging_kernel_sweep.py times the others against it.
 TILE_BYTES = 16 * 1024  # bytes per program step
 PROGRAMS_PER_SM = 0  # 0: one tile of one buffer per program; n: walks, >= n programs per SM
 STREAMING = True

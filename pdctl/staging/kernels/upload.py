@@ -12,13 +12,13 @@ the staging kernel then reads the device copy (a staging kernel reading the pinn
 ids itself would fetch each one once per buffer).
 
 Used inside the graph where the ids cannot be copied ahead of it (the upload ahead,
-`StagingSettings.upload_ahead`, is the default since session 16); there it is the
-default (`StagingSettings.upload_kernel`; off, a copy node).
-It faulted with an illegal memory access in two profile runs of session 14 and in 2 of
-9 `pdctl bench staging` runs of session 15: its compile run before a capture wrote a
-slot's fresh device ids on a side stream, under the eager call still running
-(`captured._uploader`, now on the caller's stream). Since: 0 faults in 20 bench runs,
-memcheck clean (docs/benchmarks.md, session 15).
+`StagingSettings.upload_ahead`, is the default); there it is the default
+(`StagingSettings.upload_kernel`; off, a copy node).
+Its compile run before a capture must go on the caller's stream (`captured._uploader`):
+on a side stream it wrote a slot's fresh device ids under the eager call still running,
+and 2 of 9 `pdctl bench staging` runs on an H200 faulted with an illegal memory access;
+on the caller's stream 0 of 20, and compute-sanitizer's memcheck of
+`benchmarks/staging_e2e_profile.py --stress` is clean.
 """
 
 from __future__ import annotations
