@@ -127,11 +127,6 @@ class _Write:
     col_starts: tuple[int, int]  # the slice's first column in a source row, in a target row
     num_cols: int  # the slice's columns in a row
 
-    @property
-    def key(self) -> tuple[int, tuple[int, int], int]:
-        """What a graph of the write depends on besides its bucket and its tensors."""
-        return self.page_size, self.col_starts, self.num_cols
-
 
 def arm_slice_write(
     k_buffers: Sequence[torch.Tensor],
@@ -224,23 +219,23 @@ def _arm(
     ring = np.asarray([*bell, count] if bell is not None else [], dtype=np.int64)
     if not isinstance(pages, np.ndarray):  # ids already on the device: as they are
         rings = None if bell is None else (_uploaded(ring, device), 0)
-        launch = _Launch(write, segments)
-        return lambda: launch.run((None, pages, dst_pages), rings, words)
+        return lambda: _launch(write, segments, (None, pages, dst_pages), rings, words)
     assert isinstance(dst_pages, np.ndarray)  # both host ids, or both device ones
     bucket = Bucket.of(segments, len(pages), len(write.views))
     table = bucket.table(segments, write.page_size)
     joined, parts = join_tables([table, bucket.padded(pages), bucket.padded(dst_pages), ring])
-    launch = _Launch(write, bucket.segments)
+    launch = functools.partial(_launch, write, bucket.segments)
+    # what a graph of the write depends on besides its tensors
+    key = (bucket.key, write.page_size, write.col_starts, write.num_cols, bell is not None)
 
     def eager(ids: np.ndarray | torch.Tensor) -> PendingDigests:
         on_device = _uploaded(ids, device)  # host tables go up; a graph's device ids stay
         described, src, dst = (on_device[start:end] for start, end in parts[:3])
         rings = None if bell is None else (on_device, parts[3][0])
-        return launch.run((described, src, dst), rings, words)
+        return launch((described, src, dst), rings, words)
 
-    if not _capturable(device):
+    if not WRITES.enabled or device.type != "cuda":  # graphs are CUDA's
         return lambda: eager(joined)
-    key = (*write.key, bucket.key, bell is not None)
     named = (write.views, write.target.views)
     host_ids = functools.partial(into_slot, joined)
     replay = WRITES.arm(key, named, device, host_ids, eager, joined, ahead=bucket.sums)
@@ -253,36 +248,30 @@ def _arm(
     return launched
 
 
-class _Launch:
+def _launch(
+    write: _Write,
+    segments: list[tuple[int, int]],
+    tables: tuple[torch.Tensor | None, Any, Any],
+    rings: Any,
+    words: list[int],
+) -> PendingDigests:
     """The launch of one write's tables: the page-digest kernel with its store on,
     sized by `segments` (a bucket's, or the write's own), then the ring."""
+    from pdctl.staging.kernels.bell import ring_from_device
+    from pdctl.staging.kernels.digests import launch_page_digest_sums
 
-    def __init__(self, write: _Write, segments: list[tuple[int, int]]) -> None:
-        self.write, self.segments = write, segments
-
-    def run(
-        self, tables: tuple[torch.Tensor | None, Any, Any], rings: Any, words: list[int]
-    ) -> PendingDigests:
-        from pdctl.staging.kernels.bell import ring_from_device
-        from pdctl.staging.kernels.digests import launch_page_digest_sums
-
-        described, src, dst = tables
-        write, segments = self.write, self.segments
-        source = page_rows(write.views, src, write.col_starts[0])
-        target = write.target.rows(dst, write.col_starts[1])
-        sums = launch_page_digest_sums(
-            source, segments, write.page_size, write.num_cols, target=target, described=described
-        )
-        if rings is not None:
-            ring_from_device(rings[0], rings[1], sums, SUMS)
-        return PendingDigests(sums, words, len(write.views), rung=rings is not None)
+    described, src, dst = tables
+    source = page_rows(write.views, src, write.col_starts[0])
+    target = write.target.rows(dst, write.col_starts[1])
+    sums = launch_page_digest_sums(
+        source, segments, write.page_size, write.num_cols, target=target, described=described
+    )
+    if rings is not None:
+        ring_from_device(rings[0], rings[1], sums, SUMS)
+    return PendingDigests(sums, words, len(write.views), rung=rings is not None)
 
 
 WRITES: CapturedCalls[PendingDigests] = CapturedCalls(capture=capture_writes)
-
-
-def _capturable(device: torch.device) -> bool:
-    return WRITES.enabled and device.type == "cuda"
 
 
 def _uploaded(ids: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
