@@ -312,8 +312,9 @@ class BellRinger:
         """The slot's address for kernels on `device` (the box mapped there once,
         `hostmap`), or None where the device cannot store into host memory here (the
         host rings)."""
+        offset = self.slot_address(slot) - self._mapped.address
         base = hostmap.device_address(self._mapped.address, self.info.nbytes, device)
-        return None if base is None else base + (self.slot_address(slot) - self._mapped.address)
+        return None if base is None else base + offset
 
     def close(self) -> None:
         hostmap.forget(self._mapped.address)  # before the memory goes

@@ -151,6 +151,31 @@ def test_a_bad_box_description_is_refused(data: object) -> None:
         BoxInfo.from_json(data)
 
 
+def test_a_slots_device_address_is_its_offset_from_where_the_box_is_mapped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`device_slot`: a slot lies as far from the box's device address (a stand-in
+    mapping here) as from its host one; a slot outside the box is refused."""
+    from pdctl.staging import hostmap
+
+    asked = []
+
+    def mapped(address: int, size: int, device: torch.device) -> int:
+        asked.append((address, size, device))
+        return 1 << 40
+
+    cuda = torch.device("cuda")
+    with BellBox(3, 8) as box, BellRinger(box.info) as ringer:
+        monkeypatch.setattr(hostmap, "device_address", mapped)
+        box_address = ringer.slot_address(0) - 8 * doorbell.HEADER_WORDS
+        for slot in range(3):
+            offset = ringer.slot_address(slot) - box_address
+            assert ringer.device_slot(slot, cuda) == (1 << 40) + offset
+        assert asked[0] == (box_address, box.info.nbytes, cuda)
+        with pytest.raises(ValueError, match="outside the box"):
+            ringer.device_slot(3, cuda)
+
+
 def _device_ring(box: BellBox, ringer: BellRinger, ticket: Ticket, values: torch.Tensor) -> None:
     """`ring_from_device` into `box` (its slot address for the device: the host's on the
     CPU, where the interpreter runs the kernel)."""
