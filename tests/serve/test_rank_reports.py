@@ -91,10 +91,10 @@ def test_the_collector_hands_every_report_to_rank_0s_handler_until_the_ranks_end
 
     collector = ReportCollector(channel, deliver)
     one, two = channel.sender(1), channel.sender(2)
-    one(5, {"rank": 1, "ok": True, "bytes": 100, "segments": 1, "transfer_ms": 2.0})
-    two(13, {"rank": 2, "ok": True})  # its handler fails: the collector goes on
+    one(5, RankReport(1, True, bytes=100, segments=1, transfer_ms=2.0))
+    two(13, RankReport(2, True))  # its handler fails: the collector goes on
     channel.messages.put((2, b"not json"))  # cannot come from a ReportSender: skipped
-    two(5, {"rank": 2, "ok": False, "error": "decode rank 2: receive timed out"})
+    two(5, RankReport(2, False, "decode rank 2: receive timed out"))
     one.close()
     two.close()
     collector.thread.join(10)
@@ -112,8 +112,10 @@ def test_a_report_rank_0_would_refuse_fails_on_the_sending_rank() -> None:
     """The sender reports the room failed instead (as it did when rank 0 answered 400)."""
     channel = QueueChannel(ranks=1)
     with pytest.raises(ValueError, match="bytes must be a non-negative number"):
-        channel.sender(1)(5, {"rank": 1, "ok": True, "bytes": -1})
+        channel.sender(1)(5, RankReport(1, True, bytes=-1))
     assert channel.messages.empty()
+    long = RankReport(1, False, "x" * 5000)
+    assert long.checked().error == "x" * 2000  # as rank 0 reads it
 
 
 def test_a_collector_whose_ranks_are_gone_ends() -> None:
@@ -173,7 +175,7 @@ def _rank(rank: int, port: int, results: mp.Queue) -> None:
             def send(rooms: range) -> None:
                 for room in rooms:
                     error = _error(rank, room)
-                    report(room, {"rank": rank, "ok": error is None, "error": error})
+                    report(room, RankReport(rank, error is None, error))
 
             threads = [
                 threading.Thread(target=send, args=(range(t, ROOMS, THREADS),))

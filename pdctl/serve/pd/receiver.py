@@ -23,7 +23,6 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -35,6 +34,7 @@ from pdctl.serve.pd import protocol as proto
 from pdctl.serve.pd.bells import Bells
 from pdctl.serve.pd.client import Client, PeerCallError
 from pdctl.serve.pd.fence import Fence
+from pdctl.serve.pd.reports import RankReport, Report
 from pdctl.staging.allocator import Region
 from pdctl.staging.buffer import StagingRing, init_staging_allocator
 from pdctl.staging.descriptors import tensor_ptr
@@ -43,7 +43,6 @@ from pdctl.staging.layout import Segment, StagingLayout, head_slices, plan_segme
 from pdctl.staging.transport import Transport, TransportError
 
 log = logging.getLogger("pdctl.serve")
-Report = Callable[[int, dict[str, Any]], None]
 BELL_SLICE_S = 0.005  # a doorbell wait's slice: messages (a writer that cannot ring) between
 MAX_ABORTED = 4096  # aborted rooms remembered (an abort may come before or after the receive)
 
@@ -61,13 +60,17 @@ class Received:
     staging: bool
     notice: str  # "message" | "bell" (every writer rang its doorbell)
 
-    def to_json(self) -> dict[str, int | bool | str]:
-        return {
-            "bytes": self.nbytes,
-            "segments": self.segments,
-            "staging": self.staging,
-            "notice": self.notice,
-        }
+    def report(self, rank: int, transfer_ms: float) -> RankReport:
+        """Rank `rank`'s report of the room, which took `transfer_ms` in all."""
+        return RankReport(
+            rank,
+            True,
+            bytes=self.nbytes,
+            segments=self.segments,
+            staging=self.staging,
+            notice=self.notice,
+            transfer_ms=transfer_ms,
+        )
 
 
 def segment_region(offer: Offer) -> proto.SegmentRegion:
@@ -188,8 +191,7 @@ class KVReceiver:
             self._raise_if_aborted(room)  # given up while queued: nothing to register
             stats = self._receive(room, pages, num_tokens, bootstrap, ready)
             transfer_ms = round((time.monotonic() - started) * 1e3, 3)
-            body = {"rank": self.rank, "ok": True, **stats.to_json(), "transfer_ms": transfer_ms}
-            self.report(room, body)
+            self.report(room, stats.report(self.rank, transfer_ms))
         except (ReceiveFailed, TransportError, PeerCallError) as exc:
             log.warning("room %s: %s", room, exc)
             self._failed(room, bootstrap, str(exc))
@@ -211,7 +213,7 @@ class KVReceiver:
             self.fence.add(
                 room, bootstrap, f"decode: {error}", partial(handler.release_fenced, room)
             )
-        self.report(room, {"rank": self.rank, "ok": False, "error": error})
+        self.report(room, RankReport(self.rank, False, error))
 
     def _receive(
         self, room: int, pages: list[int], num_tokens: int, bootstrap: str, ready: Any

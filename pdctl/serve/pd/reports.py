@@ -5,8 +5,9 @@ slice; rank 0 answers the request once all `tp` ranks reported. Rank 0's own rep
 arrives as a call, the others' over the TP group (`TPGroup.report`, a channel of its
 own on host memory) as a `RoomReport`: `ReportSender` on each rank above 0,
 `ReportCollector` on rank 0, which hands each one to the same handler as rank 0's
-own. `RankReports` holds the rooms still waiting for ranks; `combine` makes the
-request's `KVTransfer` of them. It knows nothing of the engine or of HTTP.
+own; a sender or receiver reports through a `Report` (the room, its `RankReport`).
+`RankReports` holds the rooms still waiting for ranks; `combine` makes the request's
+`KVTransfer` of them. It knows nothing of the engine or of HTTP.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ class RankReport:
             digest_ms=digest_ms,
         )
 
+    def checked(self) -> RankReport:
+        """The report as rank 0 reads it (through `from_json`: its counts and times
+        checked, ValueError if they do not hold; its error cut to 2,000 characters)."""
+        return RankReport.from_json(self.to_json())
+
     def to_json(self) -> dict[str, object]:  # only ever serialized
         out = {
             "rank": self.rank,
@@ -90,6 +96,9 @@ class RankReport:
             "notice": self.notice,
         }
         return {**out, **{name: getattr(self, name) for name in (*COUNTS, *TIMES)}}
+
+
+Report = Callable[[int, RankReport], None]  # (room, this rank's report of it)
 
 
 def _count(data: Any, name: str) -> int:
@@ -209,8 +218,8 @@ class ReportSender:
     def __init__(self, channel: ReportChannel) -> None:
         self.channel = channel
 
-    def __call__(self, room: int, body: dict[str, Any]) -> None:
-        self.channel.report(RoomReport(room, RankReport.from_json(body)).to_bytes())
+    def __call__(self, room: int, report: RankReport) -> None:
+        self.channel.report(RoomReport(room, report.checked()).to_bytes())
 
     def close(self) -> None:
         """This rank reports no more (its worker loop ended): rank 0's collector ends

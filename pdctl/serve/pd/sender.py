@@ -32,6 +32,7 @@ from pdctl.serve.pd.client import PeerCallError
 from pdctl.serve.pd.direct import DescribedWrite, DirectWrite
 from pdctl.serve.pd.early import EarlyWrites, RoomJob, settle
 from pdctl.serve.pd.mapped_write import NOOP, MappedWriter, WriteObserver
+from pdctl.serve.pd.reports import RankReport, Report
 from pdctl.serve.pd.staged import StagedWrite, StagingBuffers
 from pdctl.serve.pd.targets import Targets
 from pdctl.serve.pd.waits import RoomWaits, SendFailed, Snapshot
@@ -40,9 +41,8 @@ from pdctl.serve.pd.writes import Link, RoomWrite, SendClock
 from pdctl.staging import device as dev
 from pdctl.staging.transport import Transport, TransportError
 
-__all__ = ["KVSender", "Report", "SendFailed", "Snapshot"]
+__all__ = ["KVSender", "SendFailed", "Snapshot"]
 log = logging.getLogger("pdctl.serve")
-Report = Callable[[int, dict[str, Any]], None]
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,18 @@ class SendStats:
         ms = [round(seconds * 1e3, 3) for seconds in (busy_s, clock.gather, clock.digest)]
         return SendStats(nbytes, segments, *ms)
 
-    def to_json(self) -> dict[str, int | float]:
-        return {
-            "bytes": self.nbytes,
-            "segments": self.segments,
-            "write_ms": self.write_ms,
-            "gather_ms": self.gather_ms,
-            "digest_ms": self.digest_ms,
-        }
+    def report(self, rank: int, transfer_ms: float) -> RankReport:
+        """Rank `rank`'s report of the room, which took `transfer_ms` in all."""
+        return RankReport(
+            rank,
+            True,
+            bytes=self.nbytes,
+            segments=self.segments,
+            transfer_ms=transfer_ms,
+            write_ms=self.write_ms,
+            gather_ms=self.gather_ms,
+            digest_ms=self.digest_ms,
+        )
 
 
 class KVSender:
@@ -153,18 +157,15 @@ class KVSender:
             with dev.device_stream_context(self._stream()):
                 stats = self._send(room, pages, job)
             transfer_ms = round((time.monotonic() - started) * 1e3, 3)
-            body = {"rank": self.rank, "ok": True, **stats.to_json(), "transfer_ms": transfer_ms}
-            self.report(room, body)
+            self.report(room, stats.report(self.rank, transfer_ms))
         except (SendFailed, TransportError, PeerCallError) as exc:
             log.warning("room %s: %s", room, exc)
             settle(room, job)  # reported ended: nothing of it may still be landing
-            self.report(room, {"rank": self.rank, "ok": False, "error": str(exc)})
+            self.report(room, RankReport(self.rank, False, str(exc)))
         except Exception as exc:  # a bug must still fail the room, not hang it
             log.exception("room %s: send failed", room)
             settle(room, job)
-            self.report(
-                room, {"rank": self.rank, "ok": False, "error": f"prefill rank {self.rank}: {exc}"}
-            )
+            self.report(room, RankReport(self.rank, False, f"prefill rank {self.rank}: {exc}"))
 
     def _send(self, room: int, pages: list[int], job: RoomJob | None) -> SendStats:
         deadline = time.monotonic() + self.waits.bootstrap_timeout

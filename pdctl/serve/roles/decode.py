@@ -37,6 +37,7 @@ from pdctl.serve.pd.reports import (
     Pending,
     RankReport,
     RankReports,
+    Report,
     ReportCollector,
     ReportSender,
     combine,
@@ -49,7 +50,7 @@ from pdctl.staging import device as dev
 log = logging.getLogger("pdctl.serve")
 
 
-def make_receiver(rank: Rank, report: Any) -> KVReceiver:
+def make_receiver(rank: Rank, report: Report) -> KVReceiver:
     args = rank.args
     try:
         return _receiver(rank, report)
@@ -57,7 +58,7 @@ def make_receiver(rank: Rank, report: Any) -> KVReceiver:
         raise SystemExit(f"decode rank {args.tp_rank}: {exc}") from None
 
 
-def _receiver(rank: Rank, report: Any) -> KVReceiver:
+def _receiver(rank: Rank, report: Report) -> KVReceiver:
     args = rank.args
     return KVReceiver(
         rank=args.tp_rank,
@@ -157,9 +158,9 @@ class DecodeHooks:
             room, bootstrap, f"decode: {reason}", partial(self.engine.unfence, room)
         )
 
-    def report(self, room: int, body: dict[str, Any]) -> None:
-        """This rank's receiver finished `room`."""
-        self.reported(room, RankReport.from_json(body))
+    def report(self, room: int, report: RankReport) -> None:
+        """This rank's receiver finished `room` (its report read as another rank's is)."""
+        self.reported(room, report.checked())
 
     def reported(self, room: int, report: RankReport) -> None:
         """A rank finished receiving `room`: this one, or another over the TP group."""

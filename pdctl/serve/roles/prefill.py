@@ -37,12 +37,13 @@ from pdctl.serve.pd.fence import process_identity
 from pdctl.serve.pd.reports import (
     RankReport,
     RankReports,
+    Report,
     ReportCollector,
     ReportSender,
     combine,
 )
 from pdctl.serve.pd.room_state import RoomMirror, RoomPublisher, RoomSnapshot, RoomWait
-from pdctl.serve.pd.sender import KVSender, Report, Snapshot
+from pdctl.serve.pd.sender import KVSender, Snapshot
 from pdctl.serve.roles.common import build_engine, serve, server_info
 from pdctl.serve.runtime import Rank
 from pdctl.serve.tp_ops import Op
@@ -204,9 +205,9 @@ class PrefillHooks:
                 return
         self.engine.unfence(request.room)
 
-    def report(self, room: int, body: dict[str, Any]) -> None:
-        """This rank's sender finished `room`."""
-        self.reported(room, RankReport.from_json(body))
+    def report(self, room: int, report: RankReport) -> None:
+        """This rank's sender finished `room` (its report read as another rank's is)."""
+        self.reported(room, report.checked())
 
     def reported(self, room: int, report: RankReport) -> None:
         """A rank finished sending `room`: this one, or another over the TP group."""
