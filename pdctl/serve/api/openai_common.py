@@ -5,14 +5,13 @@ trimmed, a usage chunk when asked for)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from fastapi import Request as HttpRequest
 
 from pdctl.serve.api.answers import Chunk, Usage
 from pdctl.serve.api.errors import BadRequest, error_body
 from pdctl.serve.api.openai_schemas import OpenAIBody
-from pdctl.serve.api.submission import Outcome, ServerContext, Submission, sse
+from pdctl.serve.api.submission import Outcome, PDFields, ServerContext, Submission, sse
 from pdctl.serve.api.text import TextStream, visible_text
 
 
@@ -34,8 +33,8 @@ def usage(outcomes: list[Outcome]) -> Usage:
     }
 
 
-def refuse_pd_batch(batch: bool, pd: dict[str, Any]) -> None:
-    if batch and pd:
+def refuse_pd_batch(batch: bool, pd: PDFields | None) -> None:
+    if batch and pd is not None:
         raise BadRequest(
             "PD requests carry one prompt each (the router splits batches)", "bootstrap_room"
         )

@@ -34,10 +34,23 @@ class ServerContext:
     info: dict[str, Any]
     extra_info: Callable[[], dict[str, object]] = field(default=lambda: {})  # serialized
     ready: bool = True
-    # PD roles: check a request's bootstrap fields and attach them (may raise BadRequest)
-    prepare: Callable[[Request, dict[str, Any]], None] | None = None
+    # PD roles: check a request's bootstrap fields (None: it has none) and attach them
+    # (may raise BadRequest)
+    prepare: Callable[[Request, PDFields | None], None] | None = None
     # colocated: run the encoder in-process -> (prompt ids, [(offset, embedding rows)])
     encode: Callable[[Any, list[Any]], tuple[list[int], list[tuple[int, Any]]]] | None = None
+
+
+@dataclass(frozen=True)
+class PDFields:
+    """The bootstrap fields a PD router added to a request (an EPD router also the
+    expanded prompt's `mm_items` and the `embedding_room` prefill received them in)."""
+
+    bootstrap_room: int
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    mm_items: list[dict[str, int]] | None = None
+    embedding_room: int | None = None
 
 
 @dataclass
@@ -100,7 +113,7 @@ class Submission:
         params: SamplingParams,
         rid: str,
         logprobs: int | None,
-        pd: dict[str, Any] | None = None,
+        pd: PDFields | None = None,
         embeds: list[tuple[int, Any]] | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
@@ -116,10 +129,8 @@ class Submission:
         )
         self.request.embeds = list(embeds or [])
         self.outcome = Outcome(rid, len(ids))
-        if ctx.prepare is not None:
-            ctx.prepare(self.request, pd or {})
-        elif pd and pd.get("bootstrap_room") is not None:
-            pass  # a colocated server accepts and ignores the PD fields
+        if ctx.prepare is not None:  # PD roles check the fields; a colocated server ignores them
+            ctx.prepare(self.request, pd)
         ctx.engine.submit(self.request)
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, event: Event) -> None:
@@ -171,11 +182,18 @@ class Submission:
         return self.outcome
 
 
-def pd_fields(body: Any) -> dict[str, Any]:
+def pd_fields(body: Any) -> PDFields | None:
     """The bootstrap fields a PD router added, if any (with an EPD request's items)."""
-    names = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "mm_items", "embedding_room")
-    fields = {k: getattr(body, k, None) for k in names}
-    return fields if fields["bootstrap_room"] is not None else {}
+    room = getattr(body, "bootstrap_room", None)
+    if room is None:
+        return None
+    return PDFields(
+        room,
+        getattr(body, "bootstrap_host", None),
+        getattr(body, "bootstrap_port", None),
+        getattr(body, "mm_items", None),
+        getattr(body, "embedding_room", None),
+    )
 
 
 def sse(data: object) -> bytes:

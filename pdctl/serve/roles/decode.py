@@ -23,7 +23,7 @@ from pdctl.records import FenceState, RingState
 from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.api.app import create_app
 from pdctl.serve.api.errors import BadRequest
-from pdctl.serve.api.submission import ServerContext
+from pdctl.serve.api.submission import PDFields, ServerContext
 from pdctl.serve.engine.loop import Engine
 from pdctl.serve.engine.request import Request
 from pdctl.serve.engine.sampling import TokenChoice
@@ -88,20 +88,15 @@ class DecodeHooks:
         wanted = AbortTransfers.wanted(faults())  # fault injection, off unless asked for
         self.aborts = AbortTransfers(faults(), self.receiver) if wanted else None
 
-    def prepare(self, request: Request, pd: dict[str, Any]) -> None:
-        room, host, port = (
-            pd.get("bootstrap_room"),
-            pd.get("bootstrap_host"),
-            pd.get("bootstrap_port"),
-        )
-        if room is None or host is None or port is None:
+    def prepare(self, request: Request, pd: PDFields | None) -> None:
+        if pd is None or pd.bootstrap_host is None or pd.bootstrap_port is None:
             raise BadRequest(
                 "a decode server serves PD requests only: bootstrap_host, bootstrap_port and "
                 "bootstrap_room are required",
                 "bootstrap_room",
             )
-        request.room = int(room)
-        request.bootstrap = f"{host}:{port}"
+        request.room = pd.bootstrap_room
+        request.bootstrap = f"{pd.bootstrap_host}:{pd.bootstrap_port}"
 
     def admitted(self, request: Request) -> None:
         assert (

@@ -23,7 +23,7 @@ from pdctl.records import FenceState, KVSent, KVTransfer
 from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.api.app import create_app
 from pdctl.serve.api.errors import BadRequest
-from pdctl.serve.api.submission import ServerContext
+from pdctl.serve.api.submission import PDFields, ServerContext
 from pdctl.serve.bootstrap import BootstrapError, FirstToken, Rooms, bootstrap_app
 from pdctl.serve.engine.loop import Engine
 from pdctl.serve.engine.request import Event, Request
@@ -98,25 +98,25 @@ class PrefillHooks:
     def _snapshot(self, room: int, wait: float, condition: RoomWait) -> RoomSnapshot:
         return self.rooms.wait_for(room, condition, wait)
 
-    def prepare(self, request: Request, pd: dict[str, Any]) -> None:
-        room = pd.get("bootstrap_room")
-        if room is None:
+    def prepare(self, request: Request, pd: PDFields | None) -> None:
+        if pd is None:
             raise BadRequest(
                 "a prefill server serves PD requests only: bootstrap_room is missing",
                 "bootstrap_room",
             )
-        if pd.get("embedding_room") is not None or pd.get("mm_items") is not None:
+        if pd.embedding_room is not None or pd.mm_items is not None:
             self._take_embeddings(request, pd)
+        room = pd.bootstrap_room
         try:
-            self.rooms.start(int(room))
+            self.rooms.start(room)
         except BootstrapError as exc:
             raise BadRequest(str(exc), "bootstrap_room", status=exc.status) from None
-        request.room = int(room)
+        request.room = room
         sink = request.sink
 
         def watched(event: Event) -> None:  # however the request ends, the room hears it
             if event.finish_reason is not None or event.error is not None:
-                self._ended(int(room))
+                self._ended(room)
             sink(event)
 
         request.sink = watched
@@ -133,15 +133,15 @@ class PrefillHooks:
         self.rooms.fail(room, "prefill: the request ended before its KV was sent")
         self.rooms.stopped(room)
 
-    def _take_embeddings(self, request: Request, pd: dict[str, Any]) -> None:
+    def _take_embeddings(self, request: Request, pd: PDFields) -> None:
         """An EPD request: splice the embeddings the encoder wrote into this prompt."""
         if self.embeddings is None:
             raise BadRequest("this prefill server receives no embeddings", "embedding_room")
-        if pd.get("embedding_room") is None or pd.get("mm_items") is None:
+        if pd.embedding_room is None or pd.mm_items is None:
             raise BadRequest("an EPD request needs both mm_items and embedding_room", "mm_items")
         try:
-            rows = self.embeddings.take(int(pd["embedding_room"]))
-            items = check_items(pd["mm_items"], request.prompt_len, rows.shape[0])
+            rows = self.embeddings.take(pd.embedding_room)
+            items = check_items(pd.mm_items, request.prompt_len, rows.shape[0])
         except EmbeddingError as exc:
             raise BadRequest(f"prefill: {exc}", "embedding_room", status=exc.status) from None
         except PromptError as exc:
