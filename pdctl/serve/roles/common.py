@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from pdctl.records import JSONValue
 from pdctl.serve import tp as tensor_parallel
 from pdctl.serve.api.submission import ServerContext
 from pdctl.serve.engine.kv_pool import ReqToToken
@@ -38,7 +39,7 @@ def build_engine(rank: Rank, *, prefix_cache: bool = True, hooks: PDHooks | None
     return Engine(scheduler, rank_forward(rank), rank.tokenizer, overlap=args.overlap, hooks=hooks)
 
 
-def server_info(rank: Rank) -> dict[str, Any]:
+def server_info(rank: Rank) -> dict[str, JSONValue]:
     args = rank.args
     return {
         "role": args.role,
@@ -59,7 +60,7 @@ def server_info(rank: Rank) -> dict[str, Any]:
     }
 
 
-def graphs_info(rank: Rank) -> dict[str, Any]:
+def graphs_info(rank: Rank) -> dict[str, JSONValue]:
     """Whether decode steps replay CUDA graphs (`model/graphs.py`), and if not why."""
     if rank.model is None:
         return {"enabled": False, "reason": "no language model on this rank"}

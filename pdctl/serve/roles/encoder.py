@@ -224,7 +224,7 @@ def encoder_app(encoder: Encoder, rank: Rank) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/get_server_info")
-    async def get_server_info() -> dict[str, Any]:
+    async def get_server_info() -> dict[str, object]:
         return {**info, "encoder": dict(encoder.counters)}
 
     @app.get("/get_model_info")
