@@ -177,9 +177,11 @@ def retain_host_memory() -> bool:
 
     A CPU forward allocates megabyte temporaries. By default glibc maps each one afresh
     and unmaps it when freed, so every page is faulted in again on the next forward. A
-    1,000-token prefill of the tiny model took 100,000 page faults and 680 ms; with the
-    memory kept it takes none and 450 ms (docs/benchmarks.md, session 15). Returns
-    whether the setting took."""
+    1,000-token prefill of the tiny model (in process, one thread) took 100,000 page
+    faults and 680 ms; with the memory kept it takes none and 450 ms.
+    `tests/serve/test_host_memory.py` shows the faults (about 200,000 for 20 steps of
+    72 MiB of temporaries by default, none with the memory kept); `pdctl bench engine`
+    keeps the memory as the servers do. Returns whether the setting took."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

@@ -29,12 +29,14 @@ class PageAllocator:
     A page just freed goes out last, after every other free page. That is no fence: in a
     pool nearly full it goes out again at once, so the pages of a request whose KV may
     still be moving are not freed here until no writer can touch them (the scheduler's
-    `fence`, issue 36). Callers that free many
-    pages at once give them in ascending order (`RadixCache.evict`), so the request
-    that gets them next gets runs of consecutive pages, which a direct transfer sends
-    as one range each (`staging.descriptors.page_runs`). Evicted pages used to come
-    back one by one in descending order, and a 2048-token request went as 4,096 ranges
-    (docs/benchmarks.md, session 19)."""
+    `fence`). Callers that free many pages at once give them in ascending order
+    (`RadixCache.evict`), so the request that gets them next gets runs of consecutive
+    pages, which a direct transfer sends as one range each
+    (`staging.descriptors.page_runs`). Evicted pages used to come back one by one in
+    descending order, and a 2,048-token request went as 4,096 ranges: NIXL's write of
+    it took 20 ms a request against 3.7 ms as runs on an H200 (`pdctl bench pd
+    topologies/cuda-1gpu-p1d1-tcp.yaml --backends nixl --prompt-len 2048`, its write
+    ms)."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
