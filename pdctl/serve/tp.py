@@ -14,6 +14,18 @@ rank 0 it finished a room's KV (`pd/reports.py`).
     message  op | payload  (one int64 tensor through the shared file; by gloo a
                            header (op, size, 0, 0) then the payload)
     FORWARD payload   per piece (n, start, want_logits, rows) | tokens | rows
+
+What waits without a deadline (`NO_DEADLINE`), and why: a server idles as long as
+nobody sends it a request, and a gloo wait that runs out fails by closing every
+connection of its group, so a wait for rank 0's next word lasts as long as the
+server: ranks > 0 waiting for the next step (`receive`: on the shared file's futex,
+else on the broadcast of the header, a host tensor, so on an accelerator the default
+group's gloo half carries it, never the collective library), the listeners of the
+control group, rank 0's collector of reports. The rest keeps the group's timeout,
+where a long wait means a rank is stuck or gone: the rendezvous, the payload right
+after its header, a forward's gathers, rank 0 waiting for the ranks to read a step.
+A rank 0 that dies leaves no one waiting: its other ranks die with its process
+(`ranks.die_with_parent`), and gloo fails their wait as soon as its connections close.
 """
 
 from __future__ import annotations
@@ -82,6 +94,9 @@ class TPGroup:
         else:
             store = dist.TCPStore(host, port, world, False, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        steps = dist.group.WORLD
+        assert steps is not None  # init_process_group made it
+        self.steps = steps  # the default group: steps (`receive`) and gathers
         shared = backend == "gloo" and shared_memory
         self.shared = _shared_gather(store, rank, world, timeout_s) if shared else None
         self.handlers: dict[int, Handler] = {}
@@ -150,13 +165,14 @@ class TPGroup:
 
     def receive(self) -> tuple[int, torch.Tensor]:
         """Ranks > 0: the next operation rank 0 announced (`send`), waiting as long as it
-        takes."""
+        takes (the server may idle for hours); the payload, sent right after the
+        header, within the group's timeout."""
         if self.shared is not None:
             message = self.shared.broadcast(None)
             if message is not None:
                 return int(message[0]), message[1:]
         header = torch.empty(4, dtype=torch.int64)
-        dist.broadcast(header, src=0)
+        _broadcast_without_deadline(header, self.steps)
         op, size = int(header[0]), int(header[1])
         payload = torch.empty(size, dtype=torch.int64)
         if size:
@@ -176,9 +192,7 @@ class TPGroup:
         """Ranks > 0, from one thread only: the next published message (None: the end),
         however long it takes (`NO_DEADLINE`: rank 0 publishes when a room changes)."""
         header = torch.empty(1, dtype=torch.int64)
-        options = dist.BroadcastOptions()
-        options.rootRank, options.rootTensor, options.timeout = 0, 0, NO_DEADLINE
-        self.control.broadcast([header], options).wait(NO_DEADLINE)
+        _broadcast_without_deadline(header, self.control)
         size = int(header[0])
         if size < 0:
             return None
@@ -222,6 +236,15 @@ class TPGroup:
             self.shared.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _broadcast_without_deadline(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Ranks > 0: rank 0's broadcast of `tensor` on `group`, however long rank 0 takes to
+    send it. gloo limits the wait by the call's options, else by the group's timeout;
+    `dist.broadcast` passes none."""
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor, options.timeout = 0, 0, NO_DEADLINE
+    group.broadcast([tensor], options).wait(NO_DEADLINE)
 
 
 def _shared_gather(
