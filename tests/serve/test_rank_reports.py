@@ -16,6 +16,7 @@ import multiprocessing as mp
 import queue
 import threading
 import time
+from multiprocessing.synchronize import Barrier
 
 import pytest
 
@@ -140,7 +141,7 @@ def _error(rank: int, room: int) -> str | None:
     return None if room % 3 else f"rank {rank} failed room {room}: {'x' * 1500}"
 
 
-def _rank(rank: int, port: int, results: mp.Queue) -> None:
+def _rank(rank: int, port: int, ready: Barrier, results: mp.Queue) -> None:
     """Rank 0 collects; ranks 1 and 2 wait IDLE_S (the group's timeout is 1 s), then
     report ROOMS rooms from THREADS threads each, then end. Meanwhile they listen on
     the control channel, where rank 0 publishes only once they ended."""
@@ -149,6 +150,7 @@ def _rank(rank: int, port: int, results: mp.Queue) -> None:
     from pdctl.serve.tp import TPGroup
 
     torch.set_num_threads(1)
+    ready.wait(60)  # every rank imported: the rendezvous has the group's 1 s timeout too
     group = TPGroup(rank, 3, "127.0.0.1", port, "gloo", 1)
     try:
         if rank == 0:
@@ -200,7 +202,8 @@ def test_reports_cross_a_real_tp_group_whole_after_a_long_idle() -> None:
     context = mp.get_context("spawn")
     results: mp.Queue = context.Queue()
     port = free_port()
-    workers = [context.Process(target=_rank, args=(r, port, results)) for r in range(3)]
+    ready = context.Barrier(3)
+    workers = [context.Process(target=_rank, args=(r, port, ready, results)) for r in range(3)]
     try:
         for worker in workers:
             worker.start()

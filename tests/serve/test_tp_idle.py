@@ -19,7 +19,7 @@ import signal
 import time
 from collections.abc import Sequence
 from functools import partial
-from multiprocessing.synchronize import Event
+from multiprocessing.synchronize import Barrier
 from typing import Any
 
 import pytest
@@ -51,7 +51,7 @@ def _run(target: Any, world: int, *args: object) -> dict[int, str]:
 
     context = mp.get_context("spawn")
     results: mp.Queue = context.Queue()
-    ready = context.Event()
+    ready = context.Barrier(world)
     port = free_port()
     workers = [
         context.Process(target=target, args=(r, world, port, ready, *args, results))
@@ -68,18 +68,15 @@ def _run(target: Any, world: int, *args: object) -> dict[int, str]:
                 worker.kill()
 
 
-def _group(rank: int, world: int, port: int, ready: Event, backend: str) -> TPGroup:
-    """This rank's group, once rank 0 is ready to open it (the rendezvous must not wait
-    for another process's imports: it has the group's short timeout too)."""
-    if rank == 0:
-        ready.set()
-    elif not ready.wait(60):
-        raise TimeoutError("rank 0 never got ready")
+def _group(rank: int, world: int, port: int, ready: Barrier, backend: str) -> TPGroup:
+    """This rank's group, once every rank finished its imports (the rendezvous has the
+    group's short timeout too, and must not wait for another process's imports)."""
+    ready.wait(60)
     return TPGroup(rank, world, "127.0.0.1", port, backend, TIMEOUT_S, shared_memory=False)
 
 
 def _idle_rank(
-    rank: int, world: int, port: int, ready: Event, backend: str, results: mp.Queue
+    rank: int, world: int, port: int, ready: Barrier, backend: str, results: mp.Queue
 ) -> None:
     """Rank 0: silence, an ABORT and a forward, silence, a forward and the stop. The
     others: `worker_loop`, noting what they ran."""
@@ -130,7 +127,7 @@ def test_ranks_wait_for_the_next_step_longer_than_the_groups_timeout(backend: st
     assert _run(_idle_rank, 3, backend) == {0: "ok", 1: "ok", 2: "ok"}
 
 
-def _dying_rank(rank: int, world: int, port: int, ready: Event, results: mp.Queue) -> None:
+def _dying_rank(rank: int, world: int, port: int, ready: Barrier, results: mp.Queue) -> None:
     """Rank 0 stays silent past the group's timeout, then dies (SIGKILL); rank 1 waits
     for its next step meanwhile, and answers how long it waited."""
     from pdctl.serve.tp import worker_loop
