@@ -20,7 +20,9 @@ it only launches what torch captured, on a stream torch made.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,6 +99,15 @@ def current_stream_handle(index: int) -> int:
     return stream_handle(torch.cuda.current_stream(index))  # cuda-only: a CUDA stream
 
 
+def stream_reader(index: int) -> Callable[[], int]:
+    """`current_stream_handle(index)` as a function of no argument, for a caller that
+    reads it on every call (a replay): torch's own reader bound to the device where
+    this torch offers it, so no Python function runs between the caller and torch."""
+    if _RAW_STREAM is not None:
+        return functools.partial(_RAW_STREAM, index)
+    return functools.partial(current_stream_handle, index)
+
+
 class HeldEvent:
     """A timing event whose record, query and elapsed time keep the GIL; the same
     calls as torch's CUDA Event (record takes a torch stream, or the current one)."""
@@ -106,6 +117,10 @@ class HeldEvent:
         handle = ctypes.c_void_p()
         calls.check(calls.event_create(ctypes.byref(handle), flags), "cuEventCreate")
         self.handle = handle
+        # the driver's query of this event, called with no Python function in between:
+        # 0 once the device passed the record, else CUDA_ERROR_NOT_READY or an error
+        # (which `synchronize` raises)
+        self.unpassed: Callable[[], int] = functools.partial(calls.event_query, handle)
 
     def record(self, stream: Any = None) -> None:
         """Recorded on `stream`: a torch stream, a stream handle (int), or the current."""

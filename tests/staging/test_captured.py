@@ -4,9 +4,13 @@ real CUDA graphs on a GPU, each replay bitwise the eager call it replaces."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import logging
+import weakref
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,9 +35,10 @@ class FakeSlot:
         self.ids = torch.zeros(num_ids, dtype=torch.int64)
         self.armed = False
 
-    def replay(self) -> Any:
+    def replay(self, given: Any = None) -> Any:
         self.log.append(("replay", self.index, self.ids.clone()))
-        return self.eager(self.ids.clone())
+        value = self.eager(self.ids.clone())
+        return value if given is None else (value, given)
 
     def wait(self) -> None:
         self.log.append(("wait", self.index))
@@ -327,3 +332,59 @@ def test_the_upload_kernel_refuses_what_it_cannot_read() -> None:
         upload(torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="page-locked"):
         upload(torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))
+
+
+def test_what_an_arm_gives_reaches_its_replay_and_checked_ids_go_as_they_are() -> None:
+    """`arm(given=...)`: a replay's slot makes its value from what its own arm gave (a
+    write's words), the eager calls before the capture knowing it already;
+    `checked_ids` hands ids checked when they were made to a slot unchanged."""
+    log: list[Any] = []
+    calls: CapturedCalls[Any] = CapturedCalls(capture=fake_capture(log), sights=1)
+    key = ("given",)
+    named = ([torch.zeros(1)],)
+    values = []
+    for seed in range(4):
+        ids = np.arange(6, dtype=np.int64) + seed
+        host = functools.partial(captured.checked_ids, ids)
+        eager = lambda ids: int(torch.as_tensor(ids).sum())  # noqa: E731
+        values.append(calls.arm(key, named, torch.device("cpu"), host, eager, ids, given=seed)())
+    sums = [int(np.arange(6).sum()) + 6 * seed for seed in range(4)]
+    assert values[:2] == sums[:2]  # seen, then captured after an eager call
+    assert values[2:] == [(sums[2], 2), (sums[3], 3)]  # replays: their own ids and given
+    assert calls.replays == 2
+    into = torch.full((6,), -1, dtype=torch.int64)
+    ids = np.arange(6, dtype=np.int64)
+    assert captured.checked_ids(ids, into) is into and into.tolist() == ids.tolist()
+    assert captured.checked_ids(ids, None).tolist() == ids.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_a_captured_slot_goes_with_its_last_reference() -> None:
+    """A slot holds nothing that holds it (a bound method, a closure over it): dropped,
+    it goes at once, with its graph and pinned memory, never at a later collection in
+    the middle of another shape's capture. A write's slot makes each replay's digests
+    from its arm's words."""
+    from pdctl.staging.kernels import PendingDigests
+    from pdctl.staging.kernels.write_slots import WriteSlot
+
+    device = torch.device("cuda", 0)
+
+    def eager(ids: torch.Tensor) -> PendingDigests:
+        return PendingDigests(ids * 2, [8], 1)
+
+    with torch.cuda.device(device):  # cuda-only: graphs are CUDA's
+        pool = torch.cuda.graph_pool_handle()  # cuda-only: graphs are CUDA's
+    slot = WriteSlot(device, 8, eager, pool, 8, StagingSettings())
+    slot.ids.copy_(torch.arange(8))
+    pending = slot.replay([3])
+    torch.cuda.synchronize()
+    assert pending.words == [3] and slot.last is pending
+    assert pending.host is not None and pending.host.tolist() == list(range(0, 16, 2))
+    gone = weakref.ref(slot)
+    gc.disable()
+    try:
+        del slot, pending
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -37,8 +37,9 @@ def test_held_events_order_and_time_device_work() -> None:
     torch.cuda._sleep(50_000_000)  # cuda-only: a device-side wait
     end.record()
     assert not end.query()  # the sleep is still running
+    assert end.unpassed() == held.CUDA_ERROR_NOT_READY
     end.synchronize()
-    assert end.query()
+    assert end.query() and end.unpassed() == 0
     reference_begin, reference_end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
     reference_begin.record()
     torch.cuda._sleep(50_000_000)  # cuda-only: a device-side wait
@@ -62,8 +63,12 @@ def test_a_graph_launched_through_the_driver_runs_what_torch_captured() -> None:
     values.zero_()
     launcher = held.held_graph(graph)
     assert launcher is not None
+    current = held.stream_reader(device.index or 0)
+    with torch.cuda.stream(stream):  # cuda-only: a CUDA stream
+        assert current() == held.stream_handle(stream)  # read at the call, not when made
+    assert current() == held.current_stream_handle(device.index or 0)
     for _ in range(3):
-        launcher.launch(held.current_stream_handle(device.index or 0))
+        launcher.launch(current())
     graph.replay()  # torch's own launch, in the same stream order
     torch.cuda.synchronize()
     assert torch.equal(values, 4 * step)

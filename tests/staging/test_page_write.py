@@ -6,6 +6,7 @@ peer's pool mapped into this process (on a GPU, `Transport.mapped_view` gives th
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -218,3 +219,24 @@ def test_writes_of_other_lengths_in_one_bucket_replay_one_graph() -> None:
             assert torch.equal(as_bits(landed.cpu()[rows, 2:6]), as_bits(source[src_rows, 2:6]))
     assert WRITES.captures - captures <= 2  # one bucket per segment count
     assert WRITES.replays - replays >= 4
+
+
+def test_a_buckets_tables_are_the_writes_own_padded_end_to_end() -> None:
+    """`Bucket.tables`: the segment table and both page lists zero-padded to the
+    bucket's (an empty segment, page 0), the ring as it is, each part from an even
+    offset; the spans say where each lies."""
+    from pdctl.staging.kernels.digests import segment_table
+    from pdctl.staging.kernels.write_slots import Bucket
+
+    segments = [(0, 5), (5, 4), (9, 2)]
+    pages, dst_pages = np.arange(11, dtype=np.int64) + 1, np.arange(11, dtype=np.int64) + 40
+    ring = np.asarray([7, 3, 12], dtype=np.int64)
+    table = segment_table(segments, 16)
+    bucket, joined, spans = Bucket.tables(segments, 4, [table, pages, dst_pages, ring])
+    assert bucket == Bucket(4, 5, 16, 4) and bucket.sums == 16
+    assert [start % 2 for start, _ in spans] == [0] * 4
+    assert [end - start for start, end in spans] == [8, 16, 16, 3]
+    padded = [*segments, (0, 0)]
+    expected = [segment_table(padded, 16), [*pages, *[0] * 5], [*dst_pages, *[0] * 5], ring]
+    for (start, end), part in zip(spans, expected, strict=True):
+        assert joined[start:end].tolist() == list(part)

@@ -44,8 +44,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from pdctl.staging import held, held_replay
@@ -76,7 +77,9 @@ class Slot(Protocol[T_co]):
     def value(self) -> T_co:
         """What a replay gives (the captured call's value)."""
 
-    def replay(self) -> T_co: ...
+    def replay(self, given: Any = None) -> T_co:
+        """The graph launched; what it gives, made from `given` where the slot makes it
+        (`CapturedCalls.arm`'s `given`: a write's words), else `value`."""
 
     def wait(self) -> None:
         """Until the device passed this slot's last replay (its ids were read)."""
@@ -123,7 +126,11 @@ class CudaSlot:
     event behind its last replay. A replay gives the value the captured call gave
     (`body`; for a gather or scatter its byte count, the same on every replay). The
     upload ahead (through the driver only, `held`), the upload kernel inside the graph
-    where there is none, and the replay's one C call each where `settings` has it on."""
+    where there is none, and the replay's one C call each where `settings` has it on.
+    A slot whose value differs by call (a write's digests, `write_slots`) says so
+    (`hands_out`) and makes it in `hand_out`."""
+
+    hands_out: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -138,10 +145,22 @@ class CudaSlot:
         self.device = device
         current = torch.cuda.current_device  # cuda-only: graphs are CUDA's
         self.index = device.index if device.index is not None else current()
+        self.current_stream = held.stream_reader(self.index)  # its handle, read per replay
         self.armed = False
         fallback = torch.cuda.Event  # cuda-only: graphs are CUDA's
         self.done: Any = held.held_event(device) or fallback()
+        # nonzero while the device has yet to pass the last replay: the driver's query
+        # itself where the event is the driver's (no Python function runs for it); none
+        # holds the slot, which must go when its last reference does (a slot left to the
+        # garbage collector may be freed in the middle of another shape's capture)
+        done = self.done
+        self.unpassed: Callable[[], object] = getattr(done, "unpassed", None) or (
+            lambda: not done.query()
+        )
         self.used = False
+        # what the last replay handed out that reads this slot's host memory until its
+        # `result()` was read (`ready`): read before the slot is written again
+        self.last: Any = None
         self.graph = torch.cuda.CUDAGraph()  # cuda-only: graphs are CUDA's
         stream = torch.cuda.Stream(device)  # cuda-only: graphs are CUDA's
         self.ahead = held.held_upload(device) if settings.upload_ahead else None
@@ -175,14 +194,14 @@ class CudaSlot:
         """What the graph holds, run once under capture: the call on the device ids."""
         return eager(device_ids)
 
-    def replay(self) -> Any:
+    def replay(self, given: Any = None) -> Any:
         """The graph launched on the current stream, and the event behind it recorded:
         through the driver with the GIL kept where it is at hand (`staging.held`), the
-        stream read as a handle."""
+        stream read as a handle. Gives `value`, or what `hand_out` makes of `given`."""
         if self.one_call is not None:
-            self.one_call.replay(held.current_stream_handle(self.index))
+            self.one_call.replay(self.current_stream())
         elif self.launcher is not None:
-            handle = held.current_stream_handle(self.index)
+            handle = self.current_stream()
             if self.ahead is not None:  # the ids, by the copy engine, before the graph
                 self.ahead.copy(*self.upload_args, handle)
             self.launcher.launch(handle)
@@ -191,17 +210,23 @@ class CudaSlot:
             self.graph.replay()
             self.done.record(torch.cuda.current_stream(self.device))  # cuda-only: graphs
         self.used = True
+        return self.hand_out(given) if self.hands_out else self.value
+
+    def hand_out(self, given: Any) -> Any:
+        """What a replay gives where `hands_out`: made from the `given` of its arm."""
         return self.value
 
     def wait(self) -> None:
-        if self.used:
+        if self.last is not None and self.last.ready is None:
+            self.last.result()  # read before this slot's next replay overwrites it
+        if self.used and self.unpassed():
             self.done.synchronize()
 
     def replay_checked(self, address: int, num_pages: int) -> bool:
         one_call = self.one_call
         if one_call is None or not one_call.checks:
             return False
-        stream = held.current_stream_handle(self.index)
+        stream = self.current_stream()
         if not one_call.replay_checked(address, num_pages, stream, self.done.synchronize):
             return False
         self.used = True
@@ -229,6 +254,15 @@ def _uploader(pinned: torch.Tensor, target: torch.Tensor, kernel: bool) -> Calla
     except Exception as exc:  # no Triton, or a device it cannot read host memory from
         log.info("staging: a captured call uploads its ids by a copy (%s)", exc)
         return lambda: target.copy_(pinned, non_blocking=True)
+
+
+def checked_ids(ids: np.ndarray, into: torch.Tensor | None) -> torch.Tensor:
+    """`HostIds` for ids checked when they were made (a write's tables): as they are,
+    or copied into a slot's pinned ids."""
+    if into is None:
+        return torch.from_numpy(ids)
+    into.numpy()[:] = ids
+    return into
 
 
 def capture_cuda(
@@ -289,6 +323,7 @@ class CapturedCalls(Generic[T]):
         eager: Callable[[Any], T],
         ids: Any,
         ahead: Any = None,
+        given: Any = None,
     ) -> Callable[[], T]:
         """`eager(ids)` or its replay, armed: the host work now, the launch by the
         function returned (a replay, or the eager call), at once or later, on any
@@ -300,7 +335,9 @@ class CapturedCalls(Generic[T]):
 
         `ahead`: what the capture needs in place of the eager call's value; given, a
         shape due for capture is captured here (capturing runs nothing on the device)
-        and its first replay launched later, so the launch never pays for a capture."""
+        and its first replay launched later, so the launch never pays for a capture.
+        `given`: what a replay's slot makes its value from (`Slot.replay`; the eager
+        call knows it already)."""
         shapes = self._shapes()
         shape = shapes.get(key)
         if shape is None or not shape.names(named):
@@ -330,7 +367,7 @@ class CapturedCalls(Generic[T]):
 
         def replay() -> T:
             slot.armed = False
-            replayed: T = slot.replay()
+            replayed: T = slot.replay(given)
             self.replays += 1
             return replayed
 

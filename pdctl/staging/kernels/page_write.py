@@ -28,13 +28,13 @@ import torch
 
 from pdctl.staging.doorbell import SUMS
 from pdctl.staging.kernels import PendingDigests, prepare_kv, start_slice_digests
-from pdctl.staging.kernels.captured import CapturedCalls
+from pdctl.staging.kernels.captured import CapturedCalls, checked_ids
 from pdctl.staging.kernels.checks import check_heads, check_segments
 from pdctl.staging.kernels.digest_tables import ALIGNED, DIGEST_TABLES, PageRows, page_rows
 from pdctl.staging.kernels.dispatch import backend_for
 from pdctl.staging.kernels.kvset import KVInfo
 from pdctl.staging.kernels.pages import PageIndices, page_array
-from pdctl.staging.kernels.write_slots import Bucket, capture_writes, into_slot, join_tables
+from pdctl.staging.kernels.write_slots import Bucket, capture_writes
 from pdctl.staging.layout import KVSlice
 
 
@@ -100,15 +100,18 @@ _TARGET_LOCK = threading.Lock()
 _CHECKED: dict[tuple[int, int], tuple[Sequence[torch.Tensor], _Checked]] = {}
 
 
+def _known_target(buffers: Sequence[torch.Tensor], page_size: int) -> _Checked | None:
+    """The checked target for this buffer list, where it was checked before."""
+    with _TARGET_LOCK:
+        entry = _CHECKED.get((id(buffers), page_size))
+    return entry[1] if entry is not None and entry[0] is buffers else None
+
+
 def _target(
     buffers: Sequence[torch.Tensor], info: KVInfo, dtype: torch.dtype, page_size: int
 ) -> _Checked:
-    """The checked target for this buffer list (checked once per list and page size)."""
+    """The target checked (once per list and page size: `_known_target` after)."""
     key = (id(buffers), page_size)
-    with _TARGET_LOCK:
-        entry = _CHECKED.get(key)
-    if entry is not None and entry[0] is buffers:
-        return entry[1]
     checked = _check_target(buffers, info, dtype, page_size)
     with _TARGET_LOCK:
         if len(_CHECKED) >= 64:
@@ -150,11 +153,14 @@ def arm_slice_write(
     `bell`: (a doorbell slot's device address, its sequence number): with Triton the
     launch ends by ringing it with the digest sums (`kernels.bell`; the result says
     `rung`); elsewhere nothing rings (the caller rings from the host)."""
+    # looked up before any call leaves this file: an arm enters it twice in all, here
+    # and in `_arm` (docs/structure.md, "One KV page's walk")
+    known = _known_target(target.buffers, kv_slice.page_size)
     kvset = prepare_kv(k_buffers, v_buffers)
     info = kvset.info
     check_heads(kv_slice, info, "source")
     page_size, num_heads = kv_slice.page_size, kv_slice.num_heads
-    checked = _target(target.buffers, info, k_buffers[0].dtype, page_size)
+    checked = known or _target(target.buffers, info, k_buffers[0].dtype, page_size)
     if num_heads < 1 or target.head_start < 0 or target.head_start + num_heads > checked.num_heads:
         raise ValueError(
             f"target heads [{target.head_start}, {target.head_start + num_heads}) are outside "
@@ -210,7 +216,11 @@ def _arm(
     a write whose bucket came back is replayed from a CUDA graph holding the ids' upload,
     the launch, the sums, their copy to pinned host memory and the ring, so its host work
     is a copy of the ids and one graph launch; the graph is captured when the write is
-    armed, never when it launches."""
+    armed, never when it launches. The function returned is `WRITES`'s own (a replay
+    makes the digests of this write's `words`: `WriteSlot.hand_out`), so a launch does
+    not come back here."""
+    from pdctl.staging.kernels.digests import segment_table
+
     pages, dst_pages = page_lists
     device = write.views[0].device
     segments = list(segments)
@@ -221,31 +231,25 @@ def _arm(
         rings = None if bell is None else (_uploaded(ring, device), 0)
         return lambda: _launch(write, segments, (None, pages, dst_pages), rings, words)
     assert isinstance(dst_pages, np.ndarray)  # both host ids, or both device ones
-    bucket = Bucket.of(segments, len(pages), len(write.views))
-    table = bucket.table(segments, write.page_size)
-    joined, parts = join_tables([table, bucket.padded(pages), bucket.padded(dst_pages), ring])
+    table = segment_table(segments, write.page_size)
+    parts = [table, pages, dst_pages, ring]
+    bucket, joined, spans = Bucket.tables(segments, len(write.views), parts)
     launch = functools.partial(_launch, write, bucket.segments)
-    # what a graph of the write depends on besides its tensors
+    # what a graph of the write depends on besides its tensors, and what it sums
     key = (bucket.key, write.page_size, write.col_starts, write.num_cols, bell is not None)
+    ahead = bucket.sums
 
     def eager(ids: np.ndarray | torch.Tensor) -> PendingDigests:
         on_device = _uploaded(ids, device)  # host tables go up; a graph's device ids stay
-        described, src, dst = (on_device[start:end] for start, end in parts[:3])
-        rings = None if bell is None else (on_device, parts[3][0])
+        described, src, dst = (on_device[start:end] for start, end in spans[:3])
+        rings = None if bell is None else (on_device, spans[3][0])
         return launch((described, src, dst), rings, words)
 
     if not WRITES.enabled or device.type != "cuda":  # graphs are CUDA's
         return lambda: eager(joined)
     named = (write.views, write.target.views)
-    host_ids = functools.partial(into_slot, joined)
-    replay = WRITES.arm(key, named, device, host_ids, eager, joined, ahead=bucket.sums)
-
-    def launched() -> PendingDigests:
-        pending = replay()
-        pending.words = words  # this write's segments (a replay's value is its shape's)
-        return pending
-
-    return launched
+    host_ids = functools.partial(checked_ids, joined)
+    return WRITES.arm(key, named, device, host_ids, eager, joined, ahead=ahead, given=words)
 
 
 def _launch(

@@ -1,9 +1,13 @@
 """The graphs of mapped writes (`page_write.WRITES`): the shape a write is captured
-for (`Bucket`) and its tables end to end (`join_tables`), which a replay's slot holds;
-a captured write's slot, which also copies the write's sums to its own pinned host
-memory unless the write rings a doorbell with them, and the capture of a write
+for (`Bucket`) and its tables end to end (`Bucket.tables`), which a replay's slot
+holds; a captured write's slot, which also copies the write's sums to its own pinned
+host memory unless the write rings a doorbell with them, and the capture of a write
 shape's ring of slots. What it does not know: the write itself (the call captured is
-`page_write`'s)."""
+`page_write`'s).
+
+A write's arm comes here once (`Bucket.tables`, its segment table made before) and its
+replay once (`WriteSlot.hand_out`); `captured` calls nothing else here on the way.
+"""
 
 from __future__ import annotations
 
@@ -51,50 +55,45 @@ class Bucket:
     def sums(self) -> int:
         return self.num_segments * self.num_buffers
 
-    def table(self, segments: list[tuple[int, int]], page_size: int) -> np.ndarray:
-        from pdctl.staging.kernels.digests import segment_table
-
-        padded = [*segments, *[(0, 0)] * (self.num_segments - len(segments))]
-        return segment_table(padded, page_size)
-
-    def padded(self, ids: np.ndarray) -> np.ndarray:
-        out = np.zeros(self.num_pages, dtype=np.int64)
-        out[: len(ids)] = ids
-        return out
+    @staticmethod
+    def tables(
+        segments: list[tuple[int, int]], num_buffers: int, parts: list[np.ndarray]
+    ) -> tuple[Bucket, np.ndarray, list[tuple[int, int]]]:
+        """The bucket of a write and its tables end to end as its graph reads them:
+        `parts` are the write's segment table (`digests.segment_table`), its page ids,
+        the target's, the ring's words; the table and the ids padded with zeros to the
+        bucket's (an empty segment; page 0, never read), the ring as it is."""
+        bucket = Bucket.of(segments, len(parts[1]), num_buffers)
+        pages = bucket.num_pages
+        joined, spans = join_tables(parts, [2 * bucket.num_segments, pages, pages, len(parts[3])])
+        return bucket, joined, spans
 
 
 def _power_of_two(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
 
 
-def join_tables(parts: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """The int64 arrays end to end, each from an even offset (16 bytes, the alignment
-    Triton compiles pointers for), and each one's [start, end)."""
-    sizes = [len(part) + len(part) % 2 for part in parts]
-    joined = np.zeros(sum(sizes), dtype=np.int64)
+def join_tables(
+    parts: list[np.ndarray], sizes: list[int]
+) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The int64 arrays end to end, each zero-padded to its size and from an even
+    offset (16 bytes, the alignment Triton compiles pointers for), and each one's
+    [start, end) (its size)."""
+    joined = np.zeros(sum(size + size % 2 for size in sizes), dtype=np.int64)
     spans, offset = [], 0
     for part, size in zip(parts, sizes, strict=True):
         joined[offset : offset + len(part)] = part
-        spans.append((offset, offset + len(part)))
-        offset += size
+        spans.append((offset, offset + size))
+        offset += size + size % 2
     return joined, spans
-
-
-def into_slot(joined: np.ndarray, into: torch.Tensor | None) -> torch.Tensor:
-    """A write's joined tables (checked when they were built), copied to a slot's ids
-    (`captured.HostIds`)."""
-    if into is None:
-        return torch.from_numpy(joined)
-    into.numpy()[:] = joined
-    return into
 
 
 class WriteSlot(CudaSlot):
     """A captured write: the graph also copies the sums to this slot's pinned host
     memory, unless the write rings a doorbell with them (then decode reads them there,
-    and this process needs no copy). A replay hands out digests that read it; before
-    the slot is written again, the last ones it handed out are read (so a new replay
-    never overwrites sums a caller has yet to see)."""
+    and this process needs no copy). A replay hands out digests that read it (`last`);
+    before the slot is written again, the last ones it handed out are read (so a new
+    replay never overwrites sums a caller has yet to see: `CudaSlot.wait`)."""
 
     def __init__(
         self,
@@ -106,7 +105,6 @@ class WriteSlot(CudaSlot):
         settings: StagingSettings,
     ) -> None:
         self.host = torch.empty(sums, dtype=torch.int64, pin_memory=True)
-        self.last: PendingDigests | None = None
         super().__init__(device, num_ids, eager, pool, settings)
 
     def body(self, eager: Eager, device_ids: torch.Tensor) -> Any:
@@ -116,20 +114,19 @@ class WriteSlot(CudaSlot):
             self.host.copy_(pending.sums, non_blocking=True)
         return pending
 
-    def replay(self) -> PendingDigests:
-        captured = super().replay()
-        sums, words, num_buffers = captured.sums, captured.words, captured.num_buffers
+    hands_out = True
+
+    def hand_out(self, words: list[int]) -> PendingDigests:
+        """A replay's value: the digests of the sums it leaves, for the write's own
+        segments' `words` (its arm's `given`)."""
+        captured = self.value
+        sums, num_buffers = captured.sums, captured.num_buffers
         if captured.rung:  # told by the doorbell: the sums stay on the device (result()
             # reads them there, valid until this slot's next replay; nobody here asks)
             self.last = None
             return PendingDigests(sums, words, num_buffers, rung=True)
         self.last = PendingDigests(sums, words, num_buffers, host=self.host, copied=self.done)
         return self.last
-
-    def wait(self) -> None:
-        if self.last is not None and self.last.ready is None:
-            self.last.result()  # its sums, read before this slot's next replay
-        super().wait()
 
 
 def capture_writes(
