@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from pdctl.staging.kernels import KVSlice, slice_digests
 from pdctl.staging.layout import StagingLayout, head_slices
 from pdctl.staging.transport import Peer
 from pdctl.staging.transport.values import notice_bytes
+from tests.serve.kv_registrations import direct_registration
 
 PAGES, THEIRS = [2, 7, 4], [9, 3, 6]  # prefill's pages of the room, decode's
 
@@ -84,26 +86,11 @@ def _registration(
 ) -> proto.Registration:
     """Decode rank 0 of TP 1 registers room 5: direct (its pages and pool's addresses)
     or staged (the ring regions it offers)."""
-    direct = mode == "direct"
-    pairs = zip(decode.k_buffers, decode.v_buffers, strict=True)
-    return proto.Registration(
-        room=5,
-        decode_rank=0,
-        decode_tp=1,
-        decode_name="decode",
-        transport="",
-        num_tokens=12,
-        page_size=4,
-        mode=mode,
-        kv_heads=2,
-        head_dim=8,
-        num_layers=2,
-        elem_bytes=4,
-        segment_bytes=2048,  # two pages a segment: the room is cut in two
-        pages=THEIRS if direct else [],
-        kv_bases=[[k.data_ptr(), v.data_ptr()] for k, v in pairs] if direct else [],
-        segments=segments,
-    )
+    # two pages a segment: the room is cut in two
+    direct = direct_registration(decode, 5, THEIRS, 12, segment_bytes=2048)
+    if mode == "direct":
+        return direct
+    return replace(direct, mode=mode, pages=[], kv_bases=[], segments=segments)
 
 
 def _waits(reg: proto.Registration) -> RoomWaits:

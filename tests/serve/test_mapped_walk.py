@@ -29,6 +29,7 @@ from pdctl.serve.pd.sender import KVSender
 from pdctl.staging.doorbell import SUMS, BellBox
 from pdctl.staging.kernels.page_write import WRITES
 from pdctl.staging.transport import Peer
+from tests.serve.kv_registrations import direct_registration
 
 PACKAGE = Path(pdctl.__file__).parent
 INLINE = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"}
@@ -109,28 +110,12 @@ class Rooms:
         return RoomSnapshot(room, True, None, None, {0: self.registrations[room]})
 
     def send(self, room: int) -> tuple[list[str], list[str]] | None:
-        pairs = zip(self.decode.k_buffers, self.decode.v_buffers, strict=True)
         ticket = None if self.box is None else self.box.ticket()
         bell = (
             None if self.box is None or ticket is None else proto.BellOffer(self.box.info, [ticket])
         )
-        self.registrations[room] = proto.Registration(
-            room=room,
-            decode_rank=0,
-            decode_tp=1,
-            decode_name="decode",
-            transport="eA==",
-            num_tokens=48,
-            page_size=16,
-            mode="direct",
-            kv_heads=2,
-            head_dim=8,
-            num_layers=2,
-            elem_bytes=4,
-            segment_bytes=1 << 20,
-            pages=list(DECODE_PAGES),
-            kv_bases=[[k.data_ptr(), v.data_ptr()] for k, v in pairs],
-            bell=bell,
+        self.registrations[room] = direct_registration(
+            self.decode, room, list(DECODE_PAGES), 48, transport="eA==", bell=bell
         )
         self.reported.clear()
         armed, fire = _entered(self.sender.arm, room, PAGES)

@@ -15,6 +15,7 @@ from pdctl.staging.doorbell import DIGESTS, BellBox
 from pdctl.staging.kernels import KVSlice, slice_digests
 from pdctl.staging.layout import StagingLayout, head_slices
 from pdctl.staging.transport import Peer
+from tests.serve.kv_registrations import direct_registration
 
 T = TypeVar("T")
 
@@ -70,25 +71,8 @@ def _mapped_room(bell: bool, observer: Any = None):  # type: ignore[no-untyped-d
     )
     layout = StagingLayout(2, 8, 4, head_slices(2, 1, 1, 0))
     box = BellBox(4, 64) if bell else None
-    pairs = zip(decode.k_buffers, decode.v_buffers, strict=True)
-    registration = proto.Registration(
-        room=5,
-        decode_rank=0,
-        decode_tp=1,
-        decode_name="decode",
-        transport="",
-        num_tokens=12,
-        page_size=4,
-        mode="direct",
-        kv_heads=2,
-        head_dim=8,
-        num_layers=2,
-        elem_bytes=4,
-        segment_bytes=1 << 20,
-        pages=[9, 3, 6],
-        kv_bases=[[k.data_ptr(), v.data_ptr()] for k, v in pairs],
-        bell=None if box is None else proto.BellOffer(box.info, [box.ticket()]),  # type: ignore[list-item]
-    )
+    bell_offer = None if box is None else proto.BellOffer(box.info, [box.ticket()])  # type: ignore[list-item]
+    registration = direct_registration(decode, 5, [9, 3, 6], 12, bell=bell_offer)
     peer = Peer("decode", "local", [])
     return prefill, decode, transport, writer, layout, registration, peer, box
 
