@@ -42,6 +42,25 @@ def starter() -> Starter:
     return made
 
 
+def in_spawned_ranks(target: Callable[..., None], world: int, *args: object) -> dict[int, str]:
+    """`target(rank, *args, results)` in `world` spawned processes (a real TP group's
+    ranks); what each put in `results`, by rank. Every process is ended after."""
+    import multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results: mp.Queue = context.Queue()
+    workers = [context.Process(target=target, args=(r, *args, results)) for r in range(world)]
+    try:
+        for worker in workers:
+            worker.start()
+        return dict(results.get(timeout=120) for _ in workers)
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+
+
 def free_port() -> int:
     """A port no other test worker or outgoing connection takes before the server binds it."""
     from pdctl.engines.base import PortSlot

@@ -197,20 +197,8 @@ def _rank(rank: int, port: int, ready: Barrier, results: mp.Queue) -> None:
 
 
 def test_reports_cross_a_real_tp_group_whole_after_a_long_idle() -> None:
-    from tests.serve.conftest import free_port
+    from tests.serve.conftest import free_port, in_spawned_ranks
 
-    context = mp.get_context("spawn")
-    results: mp.Queue = context.Queue()
-    port = free_port()
-    ready = context.Barrier(3)
-    workers = [context.Process(target=_rank, args=(r, port, ready, results)) for r in range(3)]
-    try:
-        for worker in workers:
-            worker.start()
-        answers = dict(results.get(timeout=120) for _ in workers)
-    finally:
-        for worker in workers:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.kill()
+    ready = mp.get_context("spawn").Barrier(3)
+    answers = in_spawned_ranks(_rank, 3, free_port(), ready)
     assert answers == {0: "ok", 1: "ok", 2: "ok"}

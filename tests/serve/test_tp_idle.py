@@ -47,25 +47,10 @@ def _piece(step: int) -> Piece:
 def _run(target: Any, world: int, *args: object) -> dict[int, str]:
     """`target(rank, world, port, ready, *args, results)` in `world` spawned processes;
     each one's answer, by rank."""
-    from tests.serve.conftest import free_port
+    from tests.serve.conftest import free_port, in_spawned_ranks
 
-    context = mp.get_context("spawn")
-    results: mp.Queue = context.Queue()
-    ready = context.Barrier(world)
-    port = free_port()
-    workers = [
-        context.Process(target=target, args=(r, world, port, ready, *args, results))
-        for r in range(world)
-    ]
-    try:
-        for worker in workers:
-            worker.start()
-        return dict(results.get(timeout=120) for _ in workers)
-    finally:
-        for worker in workers:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.kill()
+    ready = mp.get_context("spawn").Barrier(world)
+    return in_spawned_ranks(target, world, world, free_port(), ready, *args)
 
 
 def _group(rank: int, world: int, port: int, ready: Barrier, backend: str) -> TPGroup:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import uuid
-from typing import Any
 
 import pytest
 import torch
 
 from pdctl.serve import tp_shm
+from tests.serve.conftest import in_spawned_ranks
 
 pytestmark = pytest.mark.skipif(not tp_shm.available(), reason="no futex or /dev/shm here")
 ROUNDS = 300
@@ -61,27 +61,11 @@ def _rank(rank: int, path: str, world: int, results: mp.Queue) -> None:
         shared.close()
 
 
-def _two_ranks(target: Any, *args: object) -> dict[int, str]:
-    """`target(rank, *args, results)` in two spawned processes; what each put in results."""
-    context = mp.get_context("spawn")
-    results: mp.Queue = context.Queue()
-    workers = [context.Process(target=target, args=(r, *args, results)) for r in range(2)]
-    try:
-        for worker in workers:
-            worker.start()
-        return dict(results.get(timeout=120) for _ in workers)
-    finally:
-        for worker in workers:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.kill()
-
-
 def test_two_processes_gather_each_others_bytes_in_rank_order() -> None:
     path = f"/dev/shm/pdctl-test-{uuid.uuid4().hex}"
     tp_shm.SharedGather.create(path, 2)
     try:
-        assert _two_ranks(_rank, path, 2) == {0: "ok", 1: "ok"}
+        assert in_spawned_ranks(_rank, 2, path, 2) == {0: "ok", 1: "ok"}
     finally:
         tp_shm.unlink(path)
     assert not os.path.exists(path)
@@ -166,4 +150,4 @@ def _group_rank(rank: int, port: int, results: mp.Queue) -> None:
 def test_a_message_sent_during_a_forward_goes_out_after_its_gathers() -> None:
     from tests.serve.conftest import free_port
 
-    assert _two_ranks(_group_rank, free_port()) == {0: "ok", 1: "ok"}
+    assert in_spawned_ranks(_group_rank, 2, free_port()) == {0: "ok", 1: "ok"}
