@@ -23,8 +23,10 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
   fi
 fi
 
-# 2. The virtual environment.
+# 2. The virtual environment: 3.7 GiB once set up, with pip's unpacking on top.
 if [ ! -x "$VENV/bin/python" ]; then
+  . "$(dirname "$0")/disk.sh"
+  need_disk setup "$VENV" 5
   say "creating $VENV with $($PYTHON --version)"
   "$PYTHON" -m venv "$VENV"
 fi

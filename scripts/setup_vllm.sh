@@ -13,7 +13,10 @@ NIXL_VERSION=1.5.1          # nixl-cu12 + the nixl meta package, both --no-deps 
 ROUTER_VERSION=0.1.17       # vllm-router, vLLM's PD router (Rust)
 say() { printf 'setup-vllm: %s\n' "$*" >&2; }
 
+# 3.8 GiB once set up, with pip's unpacking on top.
 if [ ! -x "$VENV/bin/python" ]; then
+  . "$(dirname "$0")/disk.sh"
+  need_disk setup-vllm "$VENV" 5
   say "creating $VENV with $($PYTHON --version)"
   "$PYTHON" -m venv "$VENV"
 fi
