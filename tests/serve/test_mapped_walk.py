@@ -6,7 +6,8 @@ an entry. Comprehensions count as their function (Python 3.12 runs them inline).
 On the CPU staging's kernels take their reference path, which enters staging's own
 files more often than the GPU's replay: only serve/pd is held to it there. On a GPU
 (`gpu`) the page goes the documented way, a CUDA graph's replay that rings decode's
-doorbell (a box of this process), and every file of pdctl is held to it."""
+doorbell (a box of this process) or, with no doorbell offered, is followed by the
+transport's message, and every file of pdctl is held to it."""
 
 from __future__ import annotations
 
@@ -165,11 +166,14 @@ def bell_box() -> Iterator[BellBox]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
-def test_one_page_on_a_gpu_enters_no_file_more_than_twice(bell_box: BellBox) -> None:
-    """The documented walk: decode's pool mapped here, its doorbell offered, the write's
-    shape replayed from a graph whose launch rings it. The first rooms connect, see the
-    shape, capture it and use every slot of its ring once; the last one is walked."""
-    rooms = Rooms(torch.device("cuda"), bell_box)
+@pytest.mark.parametrize("rung", [True, False], ids=["doorbell", "message"])
+def test_one_page_on_a_gpu_enters_no_file_more_than_twice(rung: bool, bell_box: BellBox) -> None:
+    """The documented walk: decode's pool mapped here, the write's shape replayed from a
+    graph. Decode is told by its doorbell, which the graph's launch rings (`doorbell`),
+    or, where decode offered none, by the transport's message after the fire
+    (`message`). The first rooms connect, see the shape, capture it and use every slot
+    of its ring once; the last one is walked."""
+    rooms = Rooms(torch.device("cuda"), bell_box if rung else None)
     for pool in (rooms.prefill, rooms.decode):
         pool.kv.copy_(torch.randn_like(pool.kv))
     walks = [rooms.send(room) for room in range(1, 11)]
@@ -177,12 +181,14 @@ def test_one_page_on_a_gpu_enters_no_file_more_than_twice(bell_box: BellBox) -> 
     assert rooms.replayed == 1, "the walked room's write is a graph's replay"
     walk = _walk(armed, fired)
     entered = Counter(armed + fired)
-    print(f"\nthe walk: {walk}\nentered: {dict(entered.most_common())}")
+    print(f"\nthe walk ({'doorbell' if rung else 'message'}): {walk}")
+    print(f"entered: {dict(entered.most_common())}")
     assert armed[0] == "serve/pd/sender.py" and fired[0] == "serve/pd/early.py"
     for name in ("serve/pd/mapped_write.py", "staging/kernels/page_write.py"):
         assert name in armed, f"{name} is on the arm's walk: {walk}"
-    for name in ("staging/kernels/captured.py", "staging/held_replay.py", "staging/futex.py"):
-        assert name in fired, f"{name} is on the fire's walk (a graph's replay, rung): {walk}"
+    replay = ["staging/kernels/captured.py", "staging/held_replay.py"]
+    for name in replay + (["staging/futex.py"] if rung else []):
+        assert name in fired, f"{name} is on the fire's walk (a graph's replay): {walk}"
     torch.cuda.synchronize()
     assert rooms.landed()
     assert max(entered.values()) <= 2, f"{entered.most_common(6)} in {walk}"
