@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol, TypedDict
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,36 @@ class Setting:
     def variable(self) -> str | None:
         """The environment variable of an `env PDCTL_...` row, else None."""
         return self.source.removeprefix("env ") if self.source.startswith("env ") else None
+
+
+class TableRow(Protocol):
+    """A row of any package's table (staging keeps its own `Row`, of this shape)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def default(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+
+
+class _SettingRow(TypedDict):
+    name: str
+    default: str
+    reason: str
+    source: str
+
+
+class SettingRow(_SettingRow, total=False):
+    """A row as `pdctl doctor` reports it: `value` where this environment sets it."""
+
+    value: str
+
+
+def row_json(row: TableRow) -> SettingRow:
+    return {"name": row.name, "default": row.default, "reason": row.reason, "source": row.source}
 
 
 PREFIX = "PDCTL_"  # pdctl's own variables: a topology's env may set none of them

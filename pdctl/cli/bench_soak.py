@@ -6,7 +6,7 @@ import json as jsonlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -16,6 +16,9 @@ from pdctl.cli.bench import chosen_backends
 from pdctl.cli.common import Options, QuietOption, VerboseOption, options
 from pdctl.errors import CheckFailed, UsageError
 from pdctl.titles import short_title
+
+if TYPE_CHECKING:  # the launch package loads with the command, not with the CLI
+    from pdctl.launch.soak_report import SoakReport
 
 DEFAULT_TOPOLOGY = Path("topologies/cpu-p1d2-tcp.yaml")
 
@@ -127,7 +130,7 @@ def run_soak(
         )
 
 
-def reasons(report: dict[str, Any]) -> list[str]:
+def reasons(report: SoakReport) -> list[str]:
     """What failed, one phrase per transport."""
     found = []
     for row in report["rows"]:
@@ -146,7 +149,7 @@ def reasons(report: dict[str, Any]) -> list[str]:
     return found or ["no transport could run here (see the warnings)"]
 
 
-def render(report: dict[str, Any]) -> None:
+def render(report: SoakReport) -> None:
     title = f"soak: {report['topology']}, ring {report['pool_mb']:g} MiB/rank"
     if report.get("abort_every"):
         title += f", one room in {report['abort_every']} aborted mid-transfer"
@@ -196,5 +199,5 @@ def render(report: dict[str, Any]) -> None:
         console.warning(f"{backend} not run: {reason}")
 
 
-def _warm(report: dict[str, Any]) -> str:
+def _warm(report: SoakReport) -> str:
     return str(report["rows"][0]["rss_warmup_request"]) if report["rows"] else "-"

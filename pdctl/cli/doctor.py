@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,9 +22,18 @@ from rich.markup import escape
 from pdctl import console
 from pdctl.cli.common import JsonOption, QuietOption, VerboseOption, options
 from pdctl.engines import get_engine
-from pdctl.launch.engine_env import EngineEnv, probe
+from pdctl.launch.engine_env import EngineEnv, EngineEnvJson, probe
 from pdctl.launch.plan import load_checked, make_plan
-from pdctl.settings import HANDOFF, PREFIX, RUN_SECRET_VAR
+from pdctl.settings import HANDOFF, PREFIX, RUN_SECRET_VAR, SettingRow, row_json
+
+Tables = dict[str, list[SettingRow]]  # table -> its rows
+
+
+class EngineReport(EngineEnvJson):
+    """One topology's engine environment."""
+
+    topology: str
+    engine: str
 
 
 def tent_line(info: dict[str, Any]) -> str:
@@ -91,15 +99,13 @@ def doctor(
         out.print(f"  {name} is set, but pdctl reads no such variable", markup=False)
 
 
-def unknown_variables(
-    environ: dict[str, str], tables: dict[str, list[dict[str, Any]]]
-) -> list[str]:
+def unknown_variables(environ: dict[str, str], tables: Tables) -> list[str]:
     """`PDCTL_` variables set here that no table reads (a retired switch, a typo)."""
     known = {row["source"].removeprefix("env ") for rows in tables.values() for row in rows}
     return sorted(name for name in environ if name.startswith(PREFIX) and name not in known)
 
 
-def settings_report(environ: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+def settings_report(environ: dict[str, str]) -> Tables:
     """Every settings table (docs/settings.md), each row with the value this environment
     gives its variable, if any (a secret shown as set, never its value)."""
     from pdctl.launch.settings import ROWS as LAUNCH
@@ -108,12 +114,12 @@ def settings_report(environ: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
     served = subprocess.run(
         [sys.executable, "-m", "pdctl.serve.settings"], capture_output=True, text=True, timeout=60
     )
-    serve = json.loads(served.stdout) if served.returncode == 0 else []
-    tables = {
-        "handoff": [asdict(row) for row in HANDOFF],
-        "launch": [asdict(row) for row in LAUNCH],
+    serve: list[SettingRow] = json.loads(served.stdout) if served.returncode == 0 else []
+    tables: Tables = {
+        "handoff": [row_json(row) for row in HANDOFF],
+        "launch": [row_json(row) for row in LAUNCH],
         "serve": serve,
-        "staging": [asdict(row) for row in StagingSettings.rows()],
+        "staging": [row_json(row) for row in StagingSettings.rows()],
     }
     for rows in tables.values():
         for row in rows:
@@ -125,7 +131,7 @@ def settings_report(environ: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
     return tables
 
 
-def _settings(tables: dict[str, list[dict[str, Any]]], every_row: bool) -> None:
+def _settings(tables: Tables, every_row: bool) -> None:
     out = console.out
     count = sum(len(rows) for rows in tables.values())
     out.print(f"settings: {count} rows in {len(tables)} tables (docs/settings.md)", markup=False)
@@ -136,7 +142,7 @@ def _settings(tables: dict[str, list[dict[str, Any]]], every_row: bool) -> None:
                 out.print(f"  {name}.{row['name']} = {shown}  ({row['source']})", markup=False)
 
 
-def engine_report(file: Path) -> dict[str, Any]:
+def engine_report(file: Path) -> EngineReport:
     """One topology's engine environment, as its own interpreter reports it."""
     plan = make_plan(load_checked(file))
     topology = plan.topology
@@ -151,7 +157,7 @@ def engine_report(file: Path) -> dict[str, Any]:
     return {"topology": topology.name, "engine": topology.engine, **found.to_json()}
 
 
-def _engine(report: dict[str, Any]) -> None:
+def _engine(report: EngineReport) -> None:
     out = console.out
     head = f"engine {report['engine']} ({report['topology']}): {report['python']}"
     if report["error"]:

@@ -14,6 +14,7 @@ import json
 import subprocess
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import TypedDict
 
 # A module pdctl names -> the import names that provide it (NIXL ships per CUDA major).
 ALIASES: dict[str, tuple[str, ...]] = {"nixl": ("nixl", "nixl_cu12", "nixl_cu13")}
@@ -53,6 +54,15 @@ print(json.dumps({
 """
 
 
+class EngineEnvJson(TypedDict):
+    python: str
+    python_version: str | None
+    modules: dict[str, bool]
+    versions: dict[str, str | None]
+    imports: dict[str, str | None]
+    error: str | None
+
+
 @dataclass(frozen=True)
 class EngineEnv:
     """What the interpreter said (or why it could not be asked: `error`)."""
@@ -64,7 +74,7 @@ class EngineEnv:
     imports: dict[str, str | None] = field(default_factory=dict)  # target -> error, or None
     error: str | None = None
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> EngineEnvJson:
         return {
             "python": self.python,
             "python_version": self.version,

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 import httpx
 
@@ -44,7 +44,15 @@ from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.requirements import unmet
 from pdctl.launch.run import Run
 from pdctl.launch.soak_load import Load, generate
-from pdctl.launch.soak_report import SoakFigures, SoakRow, answers, memory, rates, wraps
+from pdctl.launch.soak_report import (
+    SoakFigures,
+    SoakReport,
+    SoakRow,
+    answers,
+    memory,
+    rates,
+    wraps,
+)
 from pdctl.records import ServerInfo
 from pdctl.topology import load_file
 
@@ -226,7 +234,7 @@ def bench_soak(
     abort_every: int | None = None,
     decode_pool_tokens: int | None = None,
     progress: Callable[[str], None] = lambda _: None,
-) -> dict[str, Any]:
+) -> SoakReport:
     """The soak of each transport in turn; `warmup` defaults to a fifth of `requests`
     (the 2,000th of 10,000). `abort_every` N: decode aborts one room in N mid-transfer
     (`abort-transfer`, past the `unique` rooms of the reference pass), with a decode KV

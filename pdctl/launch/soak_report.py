@@ -68,6 +68,23 @@ class SoakRow(SoakFigures):
     transport: str
 
 
+class SoakReport(TypedDict):
+    """`pdctl bench soak`'s report: the load, then a row per transport that ran."""
+
+    topology: str
+    file: str
+    unique_prompts: int
+    new_tokens: int
+    pool_mb: float
+    timeout_s: float
+    rss_limit_pct: float
+    abort_every: int | None
+    decode_pool_tokens: int | None
+    rows: list[SoakRow]
+    skipped: dict[str, str]  # transport -> why it could not run here
+    passed: bool
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
