@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -36,9 +36,27 @@ class EngineReport(EngineEnvJson):
     engine: str
 
 
-def tent_line(info: dict[str, Any]) -> str:
+if TYPE_CHECKING:  # staging.capabilities imports torch: it loads with the command
+    from pdctl.staging.capabilities import (
+        MachineReport,
+        MooncakeReport,
+        TransportReport,
+        TransportsReport,
+    )
+
+    class DoctorReport(MachineReport):
+        """`pdctl doctor --json`: the machine, then what pdctl made of it."""
+
+        capabilities: list[str]
+        engines: list[EngineReport]
+        settings: Tables
+        unknown_variables: list[str]
+
+
+def tent_line(info: MooncakeReport) -> str:
     """What the Transfer Engine did when asked for TENT, as the engine showed it."""
-    ran = info.get("tent_engine", {}).get("implementation", "unknown")
+    engine = info.get("tent_engine")
+    ran = engine["implementation"] if engine else "unknown"
     if info.get("tent_engaged"):
         return "TENT engaged (the engine ran TENT)"
     if info.get("tent_requested"):
@@ -66,11 +84,15 @@ def doctor(
     engines = [engine_report(file) for file in files or []]
     from pdctl.staging.capabilities import capabilities, report  # imports torch
 
-    data = report()
-    data["capabilities"] = sorted(capabilities(data))
-    data["engines"] = engines
-    data["settings"] = settings_report(dict(os.environ))
-    data["unknown_variables"] = unknown_variables(dict(os.environ), data["settings"])
+    machine = report()
+    settings = settings_report(dict(os.environ))
+    data: DoctorReport = {
+        **machine,
+        "capabilities": sorted(capabilities(machine)),
+        "engines": engines,
+        "settings": settings,
+        "unknown_variables": unknown_variables(dict(os.environ), settings),
+    }
     if opts.json:
         console.emit_json(data)
         return
@@ -84,8 +106,7 @@ def doctor(
         "devices: " + ", ".join(f"{kind} x{count}" for kind, count in data["devices"].items()),
         markup=False,
     )
-    for name, info in data["transports"].items():
-        _transport(name, info)
+    _transports(data["transports"])
     staging = data["cpu_staging"]
     how = "C row copy" if staging["native"] else f"torch index ops ({staging['detail']})"
     out.print(f"CPU staging: {how}", markup=False)
@@ -174,32 +195,55 @@ def _engine(report: EngineReport) -> None:
         out.print(f"  {escape(target)}: {state}")
 
 
-def _transport(name: str, info: dict[str, Any]) -> None:
-    out = console.out
-    if not info.get("importable"):
-        out.print(f"[red]{name}: not available[/red] - {escape(str(info.get('error', '')))}")
-        if info.get("fix"):
-            out.print(f"  fix: {escape(info['fix'])}")
-        return
-    parts = [str(info.get("version") or "")]
-    for key in ("protocols", "usable_plugins"):
-        if info.get(key):
-            parts.append(f"{key}: {', '.join(info[key])}")
-    memory = info.get("memory_types")
-    if isinstance(memory, dict):
-        parts.append(
-            "memory: " + "; ".join(f"{k} {', '.join(v) or 'none'}" for k, v in memory.items())
+def _transports(found: TransportsReport) -> None:
+    """A line per transport: its version, protocols or plugins, memory, and what it can do."""
+    tcp, mooncake, nixl = found["tcp"], found["mooncake"], found["nixl"]
+    if _available("tcp", tcp):
+        bells = tcp.get("doorbells_detail", "")
+        direct = tcp.get("same_host_direct", False)
+        _line(
+            "tcp",
+            tcp.get("version"),
+            _listed("protocols", tcp.get("protocols")),
+            _listed("memory", tcp.get("memory_types")),
+            "same-host direct writes" if direct else "TCP only",
+            f"doorbells ({bells})" if tcp.get("doorbells") else f"no doorbells: {bells}",
         )
-    elif memory:
-        parts.append(f"memory: {', '.join(memory)}")
-    if name == "mooncake" and info.get("importable"):
-        parts.append(tent_line(info))
-    if name == "tcp":
-        parts.append("same-host direct writes" if info.get("same_host_direct") else "TCP only")
-        bells = info.get("doorbells_detail", "")
-        parts.append(f"doorbells ({bells})" if info.get("doorbells") else f"no doorbells: {bells}")
-    out.print(f"[green]{name}[/green]: " + escape("; ".join(p for p in parts if p)))
-    if info.get("warning"):
-        console.warning(f"{name}: {info['warning']}")
-    if name == "tcp" and not info.get("same_host_direct"):
-        out.print(f"  {escape(info.get('detail', ''))}")
+        if not direct:
+            console.out.print(f"  {escape(tcp.get('detail', ''))}")
+    if _available("mooncake", mooncake, mooncake.get("fix")):
+        _line(
+            "mooncake",
+            mooncake.get("version"),
+            _listed("protocols", mooncake.get("protocols")),
+            _listed("memory", mooncake.get("memory_types")),
+            tent_line(mooncake),
+        )
+        if mooncake.get("warning"):
+            console.warning(f"mooncake: {mooncake['warning']}")
+    if _available("nixl", nixl):
+        memory = [f"{k} {', '.join(v) or 'none'}" for k, v in nixl.get("memory_types", {}).items()]
+        _line(
+            "nixl",
+            nixl.get("version"),
+            _listed("usable_plugins", nixl.get("usable_plugins")),
+            "memory: " + "; ".join(memory) if memory else "",
+        )
+
+
+def _available(name: str, info: TransportReport, fix: str | None = None) -> bool:
+    """Whether the transport imported; if not, say so (with the fix where there is one)."""
+    if info.get("importable"):
+        return True
+    console.out.print(f"[red]{name}: not available[/red] - {escape(info.get('error', ''))}")
+    if fix:
+        console.out.print(f"  fix: {escape(fix)}")
+    return False
+
+
+def _listed(label: str, items: list[str] | None) -> str:
+    return f"{label}: {', '.join(items)}" if items else ""
+
+
+def _line(name: str, *parts: str | None) -> None:
+    console.out.print(f"[green]{name}[/green]: " + escape("; ".join(p for p in parts if p)))

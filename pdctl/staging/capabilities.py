@@ -15,8 +15,8 @@ import importlib.util
 import os
 import platform
 import sys
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TypedDict
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 import torch
 
@@ -76,6 +76,29 @@ class NixlReport(TransportReport, total=False):
 class CpuStagingReport(TypedDict):
     native: bool
     detail: str
+
+
+class TransportsReport(TypedDict):
+    tcp: TcpReport
+    mooncake: MooncakeReport
+    nixl: NixlReport
+
+
+Probed = TypeVar("Probed", TcpReport, MooncakeReport, NixlReport)
+
+
+class MachineReport(TypedDict):
+    """What `report` found on this machine, as `pdctl doctor --json` gives it."""
+
+    python: str
+    platform: str
+    torch: str
+    triton: TritonReport
+    devices: dict[str, int]
+    device_memory_free_gb: dict[str, list[float]]
+    transports: TransportsReport
+    modules: dict[str, bool]  # module -> installed
+    cpu_staging: CpuStagingReport
 
 
 def _version(*distributions: str) -> str | None:
@@ -249,13 +272,7 @@ def _installed(module: str) -> bool:
         return False
 
 
-def report() -> dict[str, Any]:
-    transports: dict[str, TransportReport] = {}
-    for name, probe in (("tcp", _tcp), ("mooncake", _mooncake), ("nixl", _nixl)):
-        try:
-            transports[name] = probe()
-        except Exception as exc:  # a probe must never take the report down
-            transports[name] = {"importable": False, "error": f"probe failed: {exc}"}
+def report() -> MachineReport:
     modules = {module: _installed(module) for module in ("sglang", "sglang_router")}
     return {
         "python": platform.python_version(),
@@ -264,10 +281,23 @@ def report() -> dict[str, Any]:
         "triton": _triton(),
         "devices": devices(),
         "device_memory_free_gb": device_memory(),
-        "transports": transports,
+        "transports": {
+            "tcp": _probed(_tcp),
+            "mooncake": _probed(_mooncake),
+            "nixl": _probed(_nixl),
+        },
         "modules": modules,
         "cpu_staging": _cpu_staging(),
     }
+
+
+def _probed(probe: Callable[[], Probed]) -> Probed:
+    """What `probe` found; a probe must never take the report down."""
+    try:
+        return probe()
+    except Exception as exc:
+        failed: Probed = {"importable": False, "error": f"probe failed: {exc}"}
+        return failed
 
 
 def _cpu_staging() -> CpuStagingReport:
@@ -281,16 +311,16 @@ def _cpu_staging() -> CpuStagingReport:
     }
 
 
-def capabilities(data: dict[str, Any]) -> set[str]:
+def capabilities(data: MachineReport) -> set[str]:
     """The capability names topologies can require (see topology `requires`)."""
     found: set[str] = set()
     if data["triton"].get("importable"):
         found.add("triton")
-    mooncake = data["transports"].get("mooncake", {})
+    mooncake = data["transports"]["mooncake"]
     if mooncake.get("tent_available"):  # observed: the engine ran TENT when asked
         found.add("mooncake.tent")
     if "rdma" in mooncake.get("protocols", []):
         found.add("mooncake.rdma")
-    for plugin in data["transports"].get("nixl", {}).get("usable_plugins", []):
+    for plugin in data["transports"]["nixl"].get("usable_plugins", []):
         found.add(f"nixl.{plugin.lower()}")
     return found

@@ -93,3 +93,35 @@ def test_doctor_shows_every_settings_table_with_the_values_in_effect(tmp_path) -
     assert "serve.notify_at = write  (--notify-at)" in text
     assert f"staging.native_dir = {tmp_path}" in text
     assert "PDCTL_STAGING_GRAPHS is set, but pdctl reads no such variable" in text
+
+
+def test_a_transport_that_did_not_import_is_named_with_its_fix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What the text report says of each transport, from reports as the probes give them:
+    one that failed names its error (and the fix where the probe has one), one that
+    imported its version, lists and abilities."""
+    from pdctl.cli import doctor
+    from pdctl.console import out
+    from pdctl.staging.capabilities import MooncakeReport, NixlReport, TcpReport
+
+    tcp: TcpReport = {"importable": True, "version": "builtin", "protocols": ["tcp"]}
+    tcp |= {"same_host_direct": False, "detail": "no pidfd here", "doorbells": False}
+    tcp["doorbells_detail"] = "no futex"
+    mooncake: MooncakeReport = {"importable": False, "error": "libibverbs.so.1: cannot open"}
+    mooncake["fix"] = "apt-get x"
+    nixl: NixlReport = {"importable": False, "error": "probe failed: boom"}
+    file = out.file
+    out.file = sys.stdout  # the console was made before capsys swapped stdout
+    try:
+        doctor._transports({"tcp": tcp, "mooncake": mooncake, "nixl": nixl})
+    finally:
+        out.file = file
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "tcp: builtin; protocols: tcp; TCP only; no doorbells: no futex",
+        "  no pidfd here",
+        "mooncake: not available - libibverbs.so.1: cannot open",
+        "  fix: apt-get x",
+        "nixl: not available - probe failed: boom",
+    ]
