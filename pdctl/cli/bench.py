@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -11,6 +11,10 @@ from rich.table import Table
 from pdctl import console
 from pdctl.cli.common import JsonOption, QuietOption, VerboseOption, options
 from pdctl.errors import UsageError
+
+if TYPE_CHECKING:  # the launch package loads with the command, not with the CLI
+    from pdctl.launch.bench import PdReport
+    from pdctl.staging.transport.bench import TransportBenchReport
 
 bench_app = typer.Typer(help="Benchmarks (figures go to docs/benchmarks.md).", no_args_is_help=True)
 
@@ -135,7 +139,7 @@ def transport(
     console.info(f"targets at {report['targets']['size']}: {report['targets']}")
 
 
-def _plot(report: dict[str, Any], path: Path) -> None:
+def _plot(report: TransportBenchReport, path: Path) -> None:
     try:
         import matplotlib
 
@@ -246,7 +250,7 @@ def pd(
         render_pd(report)
 
 
-def render_pd(report: dict[str, Any]) -> None:
+def render_pd(report: PdReport) -> None:
     """The PD bench's table: one row per transport, the colocated server's first."""
     table = Table(
         title=f"PD bench: {report['topology']}, {report['prompts']} prompts x "

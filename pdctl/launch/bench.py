@@ -88,6 +88,20 @@ class BenchRow(Measurement, Compared):
     transport: str | None  # None: colocated
 
 
+class PdReport(TypedDict):
+    """`pdctl bench pd`'s report: the workload, a row per transport, the colocated last."""
+
+    topology: str
+    file: str
+    prompts: int
+    prompt_len: int
+    new_tokens: int
+    concurrency: int
+    copy_gbps: float | None  # the device's copy rate, measured in the run
+    rows: list[BenchRow]
+    skipped: dict[str, str]  # transport -> why it was not measured
+
+
 @dataclass(frozen=True)
 class Streamed:
     """One streamed request: time to its first token, in all, tokens, its transfer."""
@@ -289,7 +303,7 @@ def bench_pd(
     new_tokens: int = 32,
     concurrency: int = 6,
     progress: Callable[[str], None] = lambda _: None,
-) -> dict[str, Any]:
+) -> PdReport:
     base = load_file(topology).topology
     refuse_other_engines(
         base, "bench pd", "benchmarks/vllm_pd.py measures real vLLM PD against colocated"

@@ -64,6 +64,15 @@ class Targets(TypedDict, total=False):
     first_256m_gbps: float
 
 
+class TransportBenchReport(TypedDict):
+    """`pdctl bench transport`'s report: a row per variant and size, the targets."""
+
+    device: str
+    rows: list[RowJson]
+    unavailable: dict[str, str]  # variant -> why it was not measured
+    targets: Targets
+
+
 @dataclass(frozen=True)
 class Row:
     variant: str
@@ -237,7 +246,7 @@ def run_transport_bench(
     sizes: tuple[int, ...] = SIZES,
     budget_bytes: int = 2 << 30,
     device: str = "cpu",
-) -> dict[str, Any]:
+) -> TransportBenchReport:
     chosen = variants or list(VARIANTS)
     if device == "cpu":
         rows = memcpy_rows(sizes, budget_bytes)
