@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 import httpx
 
@@ -18,6 +18,22 @@ from pdctl.records import JSONValue, KVTransfer, ServerInfo
 from pdctl.verify.workload import Prompt
 
 TOP = 5
+
+
+class ResultJson(TypedDict):
+    """One request's answer as verify's JSON report gives it."""
+
+    id: str
+    kind: str
+    ok: bool
+    status: int | None
+    output_ids: list[int]
+    cached_tokens: int
+    kv_transfer: dict[str, JSONValue] | None
+    embedding_transfer: JSONValue
+    latency_ms: float
+    error: str | None
+    transfer_proven: str | None  # the engine's accounting that proved its transfer
 
 
 @dataclass
@@ -36,7 +52,7 @@ class Result:
     status: int | None = None
     transfer_proven: str | None = None  # the engine's accounting that proved its transfer
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> ResultJson:
         return {
             "id": self.prompt.id,
             "kind": self.prompt.kind,

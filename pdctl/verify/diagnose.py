@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from pdctl.verify.client import Result
 
@@ -44,6 +44,20 @@ MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23}
 NUMERICS = ("near-tie", "engine-numerics")  # fail only where deterministic serving was asked
 
 
+# `pass` is a keyword: the functional form
+FindingJson = TypedDict(
+    "FindingJson",
+    {
+        "pass": str,
+        "request": str,
+        "classification": str,
+        "message": str,
+        "position": int | None,
+        "evidence": dict[str, Any],
+    },
+)
+
+
 @dataclass
 class Finding:
     pass_name: str
@@ -53,7 +67,7 @@ class Finding:
     position: int | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> FindingJson:
         return {
             "pass": self.pass_name,
             "request": self.request,

@@ -16,14 +16,43 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from pdctl.errors import PdctlError, RequirementsUnmet, UsageError
 from pdctl.launch.plan import load_checked, make_plan
 from pdctl.launch.requirements import machine, unmet
 from pdctl.topology.issues import TopologyError
 from pdctl.verify import session
-from pdctl.verify.report import Report
+from pdctl.verify.report import Report, VerifyJson
+
+
+class OutcomeJson(TypedDict):
+    """One topology of the suite as the nightly's JSON gives it."""
+
+    file: str
+    name: str
+    verdict: str
+    reason: str | None
+    seconds: float
+    findings: int  # blocking ones
+    report: VerifyJson | None
+
+
+class SuiteMachine(TypedDict):
+    """What the machine had, where a topology was skipped for it (else both None)."""
+
+    devices: dict[str, int] | None
+    capabilities: list[str] | None
+
+
+class NightlyJson(TypedDict):
+    """`pdctl nightly --json`: the suite's verdict, its counts, every topology."""
+
+    suite: str | None
+    verdict: str
+    counts: dict[str, int]  # verdict -> topologies
+    machine: SuiteMachine
+    topologies: list[OutcomeJson]
 
 
 @dataclass
@@ -39,7 +68,7 @@ class Outcome:
     def failed(self) -> bool:
         return self.verdict in ("fail", "error", "invalid")
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> OutcomeJson:
         return {
             "file": str(self.file),
             "name": self.name,
@@ -190,7 +219,7 @@ def write_junit(outcomes: list[Outcome], suite: str | None, path: Path) -> None:
     path.write_bytes(ET.tostring(root, encoding="utf-8", xml_declaration=True))
 
 
-def summary(outcomes: list[Outcome], suite: str | None) -> dict[str, Any]:
+def summary(outcomes: list[Outcome], suite: str | None) -> NightlyJson:
     counts: dict[str, int] = {}
     for outcome in outcomes:
         counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1

@@ -20,13 +20,13 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 import httpx
 
 from pdctl.engines.dialect import Dialect, GenerateDialect
 from pdctl.errors import LaunchError
-from pdctl.verify.client import Result, flush, generate
+from pdctl.verify.client import Result, ResultJson, flush, generate
 from pdctl.verify.diagnose import Finding
 from pdctl.verify.targets import NoReference, Target
 from pdctl.verify.transfer import Counters, ProofReader, Unreadable, judge
@@ -45,6 +45,16 @@ class Settings:
     timeout: float
     compute_dtype: str | None = None  # margins are read in units of its last place
     engine: str = "embedded"  # whose dialect verify speaks and whose accounting it reads
+
+
+class PassJson(TypedDict):
+    """One pass as verify's JSON report gives it."""
+
+    name: str
+    skipped: str | None
+    notes: list[str]
+    timing: dict[str, float]  # wall_s, and the requests' p50_ms, p95_ms, max_ms
+    requests: list[ResultJson]
 
 
 @dataclass
@@ -67,7 +77,7 @@ class PassResult:
             "max_ms": round(ordered[-1], 2),
         }
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> PassJson:
         return {
             "name": self.name,
             "skipped": self.skipped,

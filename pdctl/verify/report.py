@@ -8,13 +8,13 @@ import platform
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from pdctl import __version__
 from pdctl.errors import PdctlError
 from pdctl.records import JSONValue
-from pdctl.verify.diagnose import Finding
-from pdctl.verify.passes import PASS_NAMES, PassResult
+from pdctl.verify.diagnose import Finding, FindingJson
+from pdctl.verify.passes import PASS_NAMES, PassJson, PassResult
 from pdctl.verify.targets import TargetRecord
 from pdctl.verify.workload import PromptRecord
 
@@ -85,6 +85,30 @@ class EnvRecord(TypedDict):
     overrides: str | None
 
 
+class ReportFinding(FindingJson):
+    blocking: bool  # it fails the verdict (numerics fail only where deterministic)
+
+
+class VerifyJson(TypedDict):
+    """`pdctl verify --json`: the verdict, what was verified and how, each pass and finding."""
+
+    schema_version: int
+    verdict: str
+    reason: str | None
+    started_at: float
+    target: TargetRecord
+    settings: SettingsRecord
+    versions: dict[str, str | None]
+    topology: dict[str, JSONValue] | None
+    environment: dict[str, list[EnvRecord]]
+    ports: dict[str, int]
+    workload: WorkloadRecord
+    passes: list[PassJson]
+    findings: list[ReportFinding]
+    logs: dict[str, str]
+    phases: dict[str, float]
+
+
 @dataclass
 class Report:
     verdict: str  # pass | fail | error | skipped
@@ -103,7 +127,7 @@ class Report:
     started_at: float = 0.0
     error: PdctlError | None = None  # what ended an error or skipped verify (not written)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> VerifyJson:
         return {
             "schema_version": SCHEMA_VERSION,
             "verdict": self.verdict,

@@ -176,6 +176,8 @@ def test_images_need_an_encoder(epd: Run) -> None:
     direct = httpx.post(f"{prefill}/generate", json={"text": "x", "image": picture(1)}, timeout=30)
     assert direct.status_code == 400
     assert "runs no encoder" in direct.json()["error"]["message"]
+    # through the router the image goes to the encoder (this test's own, whatever ran before)
+    assert generate(epd, input_ids=[5, -1], images=[picture(2)]).status_code == 200
     info = httpx.get(f"{epd.state('encoder-0').url}/get_server_info", timeout=10).json()
     assert info["role"] == "encoder" and info["encoder"]["requests"] >= 1
     prefill_info = httpx.get(f"{prefill}/get_server_info", timeout=10).json()
