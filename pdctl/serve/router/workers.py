@@ -1,7 +1,8 @@
 """The router's workers and their health: the prefill, decode and encoder servers it
 routes to, picked round-robin among the healthy ones, and the loop that asks each its
-/health. The router is ready only once every side has a healthy worker (a router that
-says healthy before any worker is ready is a known trap).
+/health (a worker is dropped when it refuses the connection, or after MISSED_CHECKS
+failed checks in a row). The router is ready only once every side has a healthy worker
+(a router that says healthy before any worker is ready is a known trap).
 
 A PD request holds a slot on its prefill and on its decode server while it is
 forwarded (prefill's first: one order for every request, so no two wait on each other),
@@ -24,6 +25,11 @@ from urllib.parse import urlsplit
 
 import httpx
 
+# A worker whose /health times out or answers an error this many checks in a row is
+# dropped (one slow answer on a loaded machine is not a dead server); one that refuses
+# the connection is dropped at once: nothing listens there any more.
+MISSED_CHECKS = 3
+
 
 @dataclass
 class Worker:
@@ -34,7 +40,19 @@ class Worker:
     last_error: str = "not checked yet"
     capacity: int | None = None  # requests it admits at once (None: not known yet)
     in_flight: int = 0
+    missed: int = 0  # checks failed in a row
     _slots: asyncio.Semaphore | None = field(default=None, repr=False, compare=False)
+
+    def answered(self) -> None:
+        """Its /health answered 200."""
+        self.healthy, self.missed, self.last_error = True, 0, ""
+
+    def missed_check(self, why: str, refused: bool = False) -> None:
+        """Its /health failed (`why`); dropped once refused or after MISSED_CHECKS."""
+        self.missed += 1
+        self.last_error = why
+        if refused or self.missed >= MISSED_CHECKS:
+            self.healthy = False
 
     @property
     def host(self) -> str:
@@ -112,21 +130,34 @@ async def check_health(state: RouterState, interval: float = 0.5) -> None:
     """Ask every worker its /health, forever (the router's lifespan cancels it)."""
     async with httpx.AsyncClient(timeout=2.0) as probe:
         while True:
-            for worker in state.workers:
-                try:
-                    response = await probe.get(f"{worker.url}/health")
-                    worker.healthy = response.status_code == 200
-                    worker.last_error = (
-                        "" if worker.healthy else f"/health answered {response.status_code}"
-                    )
-                    if worker.healthy and worker.capacity is None:
-                        await _learn_capacity(probe, worker)
-                except httpx.HTTPError as exc:
-                    worker.healthy = False
-                    worker.last_error = (
-                        f"{type(exc).__name__}: {exc}" if str(exc) else (type(exc).__name__)
-                    )
+            await check_once(state, probe)
             await asyncio.sleep(interval)
+
+
+async def check_once(state: RouterState, probe: httpx.AsyncClient) -> None:
+    """Every worker's /health, once, all at the same time (a slow one delays no other)."""
+    await asyncio.gather(*(_check(worker, probe) for worker in state.workers))
+
+
+async def _check(worker: Worker, probe: httpx.AsyncClient) -> None:
+    try:
+        response = await probe.get(f"{worker.url}/health")
+    except httpx.ConnectError as exc:
+        worker.missed_check(_why(exc), refused=True)
+        return
+    except httpx.HTTPError as exc:
+        worker.missed_check(_why(exc))
+        return
+    if response.status_code != 200:
+        worker.missed_check(f"/health answered {response.status_code}")
+        return
+    worker.answered()
+    if worker.capacity is None:
+        await _learn_capacity(probe, worker)
+
+
+def _why(exc: httpx.HTTPError) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 async def _learn_capacity(probe: httpx.AsyncClient, worker: Worker) -> None:
