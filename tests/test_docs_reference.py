@@ -96,7 +96,7 @@ def test_benchmarks_has_no_session_headings(reference: str) -> None:
 
 
 def test_benchmarks_stays_short(reference: str) -> None:
-    assert len(reference.splitlines()) <= MAX_LINES
+    assert len(reference.splitlines()) < MAX_LINES  # the before-stop hook's bar too
 
 
 def test_every_benchmark_section_has_a_dated_figure(reference: str) -> None:
