@@ -33,7 +33,12 @@ class Setting:
     @property
     def variable(self) -> str | None:
         """The environment variable of an `env PDCTL_...` row, else None."""
-        return self.source.removeprefix("env ") if self.source.startswith("env ") else None
+        return variable_of(self.source)
+
+
+def variable_of(source: str) -> str | None:
+    """The environment variable a row's source names (`env PDCTL_...`), else None."""
+    return source.removeprefix("env ") if source.startswith("env ") else None
 
 
 class TableRow(Protocol):

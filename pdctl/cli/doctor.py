@@ -24,7 +24,7 @@ from pdctl.cli.common import JsonOption, QuietOption, VerboseOption, options
 from pdctl.engines import get_engine
 from pdctl.launch.engine_env import EngineEnv, EngineEnvJson, probe
 from pdctl.launch.plan import load_checked, make_plan
-from pdctl.settings import HANDOFF, PREFIX, RUN_SECRET_VAR, SettingRow, row_json
+from pdctl.settings import HANDOFF, PREFIX, RUN_SECRET_VAR, SettingRow, row_json, variable_of
 
 Tables = dict[str, list[SettingRow]]  # table -> its rows
 
@@ -122,7 +122,7 @@ def doctor(
 
 def unknown_variables(environ: dict[str, str], tables: Tables) -> list[str]:
     """`PDCTL_` variables set here that no table reads (a retired switch, a typo)."""
-    known = {row["source"].removeprefix("env ") for rows in tables.values() for row in rows}
+    known = {variable_of(row["source"]) for rows in tables.values() for row in rows}
     return sorted(name for name in environ if name.startswith(PREFIX) and name not in known)
 
 
@@ -144,9 +144,7 @@ def settings_report(environ: dict[str, str]) -> Tables:
     }
     for rows in tables.values():
         for row in rows:
-            variable = (
-                row["source"].removeprefix("env ") if row["source"].startswith("env ") else None
-            )
+            variable = variable_of(row["source"])
             if variable is not None and variable in environ:
                 row["value"] = "(set)" if variable == RUN_SECRET_VAR else environ[variable]
     return tables

@@ -7,6 +7,7 @@ or spawned where forking would differ (another environment read at import)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import shutil
@@ -14,10 +15,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -67,6 +70,24 @@ def free_port() -> int:
     from pdctl.launch.ports import allocate
 
     return allocate([PortSlot("test", "port", "test server")], "127.0.0.1").ports["test.port"]
+
+
+@contextlib.contextmanager
+def app_in_thread(app: Any) -> Iterator[str]:
+    """`app` (ASGI) served by uvicorn on a loopback port in a thread of this process,
+    started before its URL is yielded and told to exit after."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
 
 
 @dataclass

@@ -6,18 +6,16 @@ server whose /health is scripted, and the router's own checks against it."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 
 from pdctl.serve.router.workers import MISSED_CHECKS, RouterState, Worker, check_once
-from tests.serve.conftest import free_port
+from tests.serve.conftest import app_in_thread, free_port
 
 PROBE_TIMEOUT_S = 0.2
 
@@ -45,15 +43,9 @@ class Scripted:
 
 @pytest.fixture
 def scripted() -> Iterator[tuple[Scripted, str]]:
-    health, port = Scripted(), free_port()
-    config = uvicorn.Config(health.app(), host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    threading.Thread(target=server.run, daemon=True).start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield health, f"http://127.0.0.1:{port}"
-    server.should_exit = True
+    health = Scripted()
+    with app_in_thread(health.app()) as url:
+        yield health, url
 
 
 def checks(state: RouterState, rounds: int = 1) -> None:

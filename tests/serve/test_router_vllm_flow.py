@@ -8,19 +8,16 @@ test_vllm_serving.py; here each way prefill can fail is scripted, so each is see
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tests.serve.conftest import Server, free_port, spawn_server, wait_healthy
+from tests.serve.conftest import Server, app_in_thread, spawn_server, wait_healthy
 
 PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1",
           "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": 5600}  # fmt: skip
@@ -62,20 +59,8 @@ class Scripted:
 @pytest.fixture
 def workers() -> Iterator[tuple[Scripted, Scripted, str, str]]:
     prefill, decode = Scripted("prefill"), Scripted("decode")
-    servers, urls = [], []
-    for worker in (prefill, decode):
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(worker.app(), host="127.0.0.1", port=port,
-                                               log_level="warning"))  # fmt: skip
-        threading.Thread(target=server.run, daemon=True).start()
-        servers.append(server)
-        urls.append(f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + 10
-    while not all(server.started for server in servers) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield prefill, decode, urls[0], urls[1]
-    for server in servers:
-        server.should_exit = True
+    with app_in_thread(prefill.app()) as prefill_url, app_in_thread(decode.app()) as decode_url:
+        yield prefill, decode, prefill_url, decode_url
 
 
 @pytest.fixture
